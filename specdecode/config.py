@@ -1,0 +1,185 @@
+"""The one configuration object: every user-facing knob is validated here, once.
+
+Accepts vLLM's legacy keywords (speculative_model=..., num_speculative_tokens=...), vLLM's current
+``speculative_config={...}`` dict and SGLang's names, and normalises them to ``SpeculativeConfig``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+logger = logging.getLogger("specdecode")
+
+SPEC_METHODS = ("draft_model", "ngram")
+MAX_SPEC_TOKENS = 16
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = (None, "none", "int8")
+
+
+def _err(msg: str) -> ValueError:
+    return ValueError(msg)
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str = "draft_model"
+    model: str | None = None  # draft model path (draft_model method only)
+    num_speculative_tokens: int = 5
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    disable_by_batch_size: int | None = None
+    # Stop drafting once the draft's top probability drops below this (llama.cpp's --draft-p-min).
+    draft_p_min: float = 0.0
+    # Choose k per request from measured acceptance and costs (k may drop to 0).
+    adaptive: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise _err(f"Unknown speculative method {self.method!r}; valid methods are: "
+                       f"{', '.join(SPEC_METHODS)} (or pass speculative_model='[ngram]' / a draft model path).")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not (1 <= k <= MAX_SPEC_TOKENS):
+            raise _err(f"num_speculative_tokens must be an integer in 1..{MAX_SPEC_TOKENS}, got {k!r}: "
+                       "k=0 would draft nothing (just drop the speculative settings to disable speculation), "
+                       f"and beyond {MAX_SPEC_TOKENS} the chance that every draft is accepted is so small that "
+                       "the extra verification work is wasted.")
+        if self.method == "ngram":
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+                raise _err(f"ngram lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, got min={lo!r}, max={hi!r}.")
+        if self.method == "draft_model" and not self.model:
+            raise _err("speculative method 'draft_model' needs a draft model: pass speculative_model=PATH "
+                       "(an HF directory or a .gguf file), or speculative_model='[ngram]' for n-gram lookup.")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise _err(f"speculative_disable_by_batch_size must be >= 1, got {self.disable_by_batch_size!r}.")
+        if not (0.0 <= self.draft_p_min < 1.0):
+            raise _err(f"draft_p_min must be in [0, 1), got {self.draft_p_min!r}.")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
+        d = dict(d)
+        aliases = {"draft_model": "model", "num_draft_tokens": "num_speculative_tokens",
+                   "ngram_prompt_lookup_max": "prompt_lookup_max", "ngram_prompt_lookup_min": "prompt_lookup_min",
+                   "speculative_disable_by_batch_size": "disable_by_batch_size"}
+        for old, new in aliases.items():
+            if old in d and new not in d:
+                d[new] = d.pop(old)
+        if d.get("model") in ("[ngram]", "ngram"):
+            d["model"] = None
+            d.setdefault("method", "ngram")
+        if d.get("method") == "draft":
+            d["method"] = "draft_model"
+        if d.get("method") is None:
+            d["method"] = "draft_model" if d.get("model") else "ngram"
+        if d["method"] == "ngram":
+            d["model"] = None
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise _err(f"Unknown speculative_config keys {unknown}; valid keys are {sorted(known)}.")
+        return cls(**d)
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None: the embedded default target
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    quantization: str | None = None  # None: keep weights as loaded; "int8": per-channel int8 weight-only
+    max_model_len: int | None = None
+    max_num_seqs: int = 8
+    seed: int = 0
+    device: str = "auto"
+    num_threads: int | None = None
+    max_waiting_requests: int = 256
+    speculative: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise _err(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}.")
+        if self.quantization == "none":
+            self.quantization = None
+        if self.quantization not in QUANTIZATIONS:
+            raise _err(f"quantization must be 'int8' or None, got {self.quantization!r}.")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise _err(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}.")
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise _err(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}.")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise _err(f"num_threads must be >= 1, got {self.num_threads!r}.")
+        if self.device == "auto":
+            import torch
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device.startswith("cuda"):
+            import torch
+            if not torch.cuda.is_available():
+                raise _err(f"device={self.device!r} was requested but CUDA is not available; use device='cpu'.")
+
+    @classmethod
+    def from_kwargs(cls, **kw: Any) -> "EngineConfig":
+        """Build from vLLM-style keyword arguments (legacy or current speculative form)."""
+        spec_dict: dict[str, Any] | None = None
+        sc = kw.pop("speculative_config", None)
+        legacy = {k: kw.pop(k) for k in ("speculative_model", "num_speculative_tokens",
+                                         "ngram_prompt_lookup_max", "ngram_prompt_lookup_min",
+                                         "speculative_disable_by_batch_size", "speculative_draft_p_min",
+                                         "speculative_adaptive") if k in kw}
+        if sc is not None and legacy:
+            raise _err("Pass either speculative_config={...} or the legacy speculative_* keywords, not both.")
+        if isinstance(sc, SpeculativeConfig):
+            spec = sc
+        else:
+            if sc is not None:
+                if not isinstance(sc, dict):
+                    raise _err("speculative_config must be a dict such as "
+                               "{'method': 'ngram', 'num_speculative_tokens': 4}.")
+                spec_dict = dict(sc)
+            elif legacy:
+                spec_dict = {"model": legacy.get("speculative_model")}
+                for src, dst in (("num_speculative_tokens", "num_speculative_tokens"),
+                                 ("ngram_prompt_lookup_max", "prompt_lookup_max"),
+                                 ("ngram_prompt_lookup_min", "prompt_lookup_min"),
+                                 ("speculative_disable_by_batch_size", "disable_by_batch_size"),
+                                 ("speculative_draft_p_min", "draft_p_min"),
+                                 ("speculative_adaptive", "adaptive")):
+                    if legacy.get(src) is not None:
+                        spec_dict[dst] = legacy[src]
+                if spec_dict.get("model") is None:
+                    raise _err("num_speculative_tokens was given without speculative_model; pass "
+                               "speculative_model=PATH or speculative_model='[ngram]'.")
+            spec = SpeculativeConfig.from_dict(spec_dict) if spec_dict is not None else None
+        kw.pop("trust_remote_code", None)  # accepted for vLLM compatibility; nothing remote is ever run
+        kw.pop("enforce_eager", None)
+        if "threads" in kw:
+            kw["num_threads"] = kw.pop("threads")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kw) - known)
+        if unknown:
+            raise _err(f"Unknown engine arguments {unknown}; valid ones are {sorted(known - {'speculative'})} "
+                       "plus speculative_model, num_speculative_tokens, speculative_config.")
+        return cls(speculative=spec, **kw)
+
+
+def check_draft_compatible(target_tok, draft_tok, target_params: int, draft_params: int,
+                           target_vocab: int, draft_vocab: int) -> None:
+    """Target and draft must tokenize identically; a draft larger than the target is almost surely a mistake."""
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    if tv != dv:
+        only_t = len(set(tv.items()) - set(dv.items()))
+        only_d = len(set(dv.items()) - set(tv.items()))
+        raise _err(f"The draft model's tokenizer does not match the target's ({only_t} target and {only_d} draft "
+                   f"vocabulary entries differ; sizes {len(tv)} vs {len(dv)}). Speculative decoding needs the same "
+                   "tokenizer: pick a draft from the same model family, or use speculative_model='[ngram]'.")
+    # Embedding rows beyond the tokenizer's vocabulary are padding and may differ between the two.
+    if min(target_vocab, draft_vocab) < len(tv):
+        raise _err(f"A model's embedding table ({min(target_vocab, draft_vocab)} rows) is smaller than the "
+                   f"tokenizer vocabulary ({len(tv)}).")
+    if draft_params > target_params:
+        logger.warning("The draft model (%.1fM parameters) is larger than the target (%.1fM parameters); "
+                       "speculation will be slower than plain decoding.", draft_params / 1e6, target_params / 1e6)
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")

@@ -1,0 +1,238 @@
+"""The engine step loop: admit and prefill, propose, verify in one target pass, rejection-sample, commit."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from specdecode.config import EngineConfig, check_draft_compatible
+from specdecode.engine.model_runner import ModelRunner
+from specdecode.engine.request import Request, Status
+from specdecode.engine.scheduler import QueueFullError, Scheduler
+from specdecode.layers.sampler import apply_penalties, logits_to_probs, logprobs_of
+from specdecode.models.loader import load_model
+from specdecode.outputs import RequestOutput
+from specdecode.sampling_params import SamplingParams
+from specdecode.spec.metrics import SpecDecodeStats
+from specdecode.spec.rejection_sampler import rejection_sample
+from specdecode.tokenizer import eos_ids, load_tokenizer
+
+logger = logging.getLogger("specdecode")
+
+__all__ = ["LLMEngine", "QueueFullError"]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        from specdecode.models.resolve import resolve_model
+
+        self.config = c = config
+        if c.num_threads:
+            torch.set_num_threads(c.num_threads)
+        torch.manual_seed(c.seed)
+        t0 = time.perf_counter()
+        target_path = resolve_model(c.model, "target")
+        target = load_model(target_path, c.dtype, c.device, c.max_model_len, c.quantization)
+        self.max_model_len = target.max_model_len
+        self.tokenizer = load_tokenizer(target_path, target.is_gguf)
+        self.target = ModelRunner(target, c.max_num_seqs, self.max_model_len, c.device)
+        self.eos_token_ids = eos_ids(self.tokenizer, target.hf_config)
+        self.model_path = target_path
+        self.proposer = None
+        spec = c.speculative
+        if spec is not None and spec.method == "ngram":
+            from specdecode.spec.ngram import NgramProposer
+            self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        elif spec is not None:
+            from specdecode.spec.draft_model import DraftModelProposer
+            draft_path = resolve_model(None if spec.model == "default" else spec.model, "draft")
+            draft = load_model(draft_path, c.dtype, c.device, self.max_model_len, c.quantization)
+            check_draft_compatible(self.tokenizer, load_tokenizer(draft_path, draft.is_gguf),
+                                   target.model.param_count(), draft.model.param_count(),
+                                   target.model.args.vocab_size, draft.model.args.vocab_size)
+            self.draft_path = draft_path
+            self.proposer = DraftModelProposer(ModelRunner(draft, c.max_num_seqs, self.max_model_len, c.device),
+                                               target.model.args.vocab_size, spec.draft_p_min)
+        self.load_time = time.perf_counter() - t0
+        self.scheduler = Scheduler(c.max_num_seqs, c.max_waiting_requests)
+        self.spec_stats = SpecDecodeStats()
+        self._parents: dict[str, list[Request]] = {}
+        self._counter = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    @classmethod
+    def from_kwargs(cls, **kw) -> "LLMEngine":
+        return cls(EngineConfig.from_kwargs(**kw))
+
+    # ---- requests ----
+    def encode_prompt(self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None = None) -> list[int]:
+        if prompt_token_ids is None and isinstance(prompt, list):
+            prompt_token_ids, prompt = prompt, None
+        if prompt_token_ids is not None:
+            ids = [int(t) for t in prompt_token_ids]
+            vocab = self.target.vocab_size
+            if any(t < 0 or t >= vocab for t in ids):
+                raise ValueError(f"prompt token ids must be in [0, {vocab}).")
+        else:
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}.")
+            ids = self.tokenizer.encode(prompt)
+        if not ids:
+            bos = getattr(self.tokenizer, "bos_token_id", None)
+            if bos is None:
+                raise ValueError("The prompt is empty and the tokenizer has no BOS token to start from.")
+            ids = [bos]
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"The prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: "
+                             "shorten the prompt or raise max_model_len.")
+        return ids
+
+    def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams | None = None,
+                    prompt_token_ids: list[int] | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self._parents:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        ids = self.encode_prompt(prompt, prompt_token_ids)
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        text = prompt if isinstance(prompt, str) else None
+        children = []
+        for i in range(params.n):
+            p = params if params.n == 1 or params.seed is None else params.clone(seed=params.seed + i)
+            children.append(Request(request_id, text, ids, p, self.tokenizer, max_tokens, self.target.device, i))
+        self.scheduler.add(children)
+        self._parents[request_id] = children
+        self.num_prompt_tokens += len(ids) * params.n
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step ----
+    def step(self) -> list[RequestOutput]:
+        touched: dict[str, None] = {}
+        for r in self.scheduler.take_aborted(lambda r: r.request_id):
+            r.metrics.finished_time = time.time()
+            touched[r.request_id] = None
+        new = self.scheduler.admit()
+        for r in new:
+            self._prefill(r)
+            touched[r.request_id] = None
+        decode = [r for r in self.scheduler.running if r not in new and not r.finished]
+        if decode:
+            self._decode(decode)
+            for r in decode:
+                touched[r.request_id] = None
+        for r in [r for r in self.scheduler.running if r.finished]:
+            self.scheduler.release(r)
+        return [self._output(rid) for rid in touched]
+
+    def _output(self, rid: str) -> RequestOutput:
+        children = self._parents[rid]
+        out = children[0].to_output()
+        if len(children) > 1:
+            out.outputs = [c.completion() for c in children]
+            out.finished = all(c.finished for c in children)
+        if out.finished:
+            del self._parents[rid]
+        return out
+
+    def _prefill(self, r: Request) -> None:
+        logits = self.target.prefill(r.slot, r.all_token_ids)
+        r.num_computed = len(r.all_token_ids)
+        result = rejection_sample(self._target_probs([r], [logits[None]], [[]]),
+                                  torch.zeros(1, 0, dtype=torch.long, device=logits.device), [0], None,
+                                  [r.params.greedy], [r.generator])
+        r.metrics.first_token_time = time.time()
+        self._commit(r, result.tokens[0], logits[None])
+
+    def _spec_budget(self, r: Request, n_running: int) -> int:
+        spec = self.config.speculative
+        if self.proposer is None or (spec.disable_by_batch_size and n_running >= spec.disable_by_batch_size):
+            return 0
+        left = min(r.max_tokens - r.num_output_tokens - 1, self.max_model_len - len(r.all_token_ids))
+        return max(0, min(spec.num_speculative_tokens, left))
+
+    def _decode(self, reqs: list[Request]) -> None:
+        ks = [self._spec_budget(r, len(reqs)) for r in reqs]
+        drafts, draft_probs = [[] for _ in reqs], None
+        if any(ks):
+            prop = self.proposer.propose(reqs, ks)
+            drafts, draft_probs = prop.tokens, prop.probs
+        seqs = [(r.slot, r.num_computed, [r.all_token_ids[-1]] + d) for r, d in zip(reqs, drafts)]
+        logits = self.target.forward_rows(seqs, all_logits=True)
+        kmax = max(len(d) for d in drafts)
+        dt = torch.zeros(len(reqs), kmax, dtype=torch.long)
+        for i, d in enumerate(drafts):
+            dt[i, :len(d)] = torch.tensor(d, dtype=torch.long)
+        target_probs = self._target_probs(reqs, logits, drafts)
+        if draft_probs is not None and draft_probs.shape[1] > kmax:
+            draft_probs = draft_probs[:, :kmax]
+        result = rejection_sample(target_probs, dt.to(target_probs.device), [len(d) for d in drafts], draft_probs,
+                                  [r.params.greedy for r in reqs], [r.generator for r in reqs])
+        for i, r in enumerate(reqs):
+            a = result.num_accepted[i]
+            r.num_computed = len(r.all_token_ids) + a  # rejected drafts' KV stays in place, just past the length
+            if self.proposer is not None:
+                self.proposer.rollback(r, len(r.all_token_ids) + a)
+            if drafts[i]:
+                r.metrics.spec_decode.record(len(drafts[i]), a)
+                self.spec_stats.record(len(drafts[i]), a)
+            self._commit(r, result.tokens[i], logits[i])
+
+    def _target_probs(self, reqs: list[Request], logits: list[torch.Tensor],
+                      drafts: list[list[int]]) -> torch.Tensor:
+        """[R, K+1, V] target distributions; row j of request i assumes drafts[i][:j] were accepted."""
+        kmax = max(len(d) for d in drafts)
+        V = logits[0].shape[-1]
+        out = torch.zeros(len(reqs), kmax + 1, V, device=logits[0].device)
+        for i, (r, lg, d) in enumerate(zip(reqs, logits, drafts)):
+            rows = lg[:len(d) + 1]
+            if r.params.has_penalties:
+                hist = r.output_token_ids
+                rows = apply_penalties(rows, [r.params] * len(rows), [hist + d[:j] for j in range(len(rows))])
+            out[i, :len(rows)] = logits_to_probs(rows, [r.params] * len(rows))
+        return out
+
+    def _commit(self, r: Request, tokens: list[int], logits: torch.Tensor) -> None:
+        """Append emitted tokens one by one, stopping exactly where plain decoding would stop."""
+        p = r.params
+        for j, t in enumerate(tokens):
+            r.all_token_ids.append(t)
+            self.num_generation_tokens += 1
+            if r.logprobs is not None:
+                lp = logprobs_of(logits[j], t, p.logprobs)
+                r.logprobs.append(lp)
+                r.cumulative_logprob += lp[t]
+            r.detok.add(t)
+            if self._check_stop(r, t):
+                r.status = Status.FINISHED
+                r.metrics.finished_time = time.time()
+                return
+
+    def _check_stop(self, r: Request, t: int) -> bool:
+        p, full = r.params, r.detok.text
+        if p.stop:
+            # Only the tail can contain a new match: the previous text was already checked.
+            lo = max(0, len(r.text) - max(len(s) for s in p.stop))
+            hits = [(full.find(s, lo), s) for s in p.stop if full.find(s, lo) >= 0]
+            if hits:
+                idx, s = min(hits)
+                r.text = full[:idx + len(s)] if p.include_stop_str_in_output else full[:idx]
+                r.finish_reason, r.stop_reason = "stop", s
+                return True
+        r.text = full
+        if not p.ignore_eos and t in self.eos_token_ids:
+            r.finish_reason = "stop"
+            return True
+        if t in p.stop_token_ids:
+            r.finish_reason, r.stop_reason = "stop", t
+            return True
+        if r.num_output_tokens >= r.max_tokens or len(r.all_token_ids) >= self.max_model_len:
+            r.finish_reason = "length"
+            return True
+        return False

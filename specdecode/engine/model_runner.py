@@ -1,0 +1,60 @@
+"""Runs one model over the engine's cache slots.
+
+The KV cache is preallocated per model: [slots, kv_heads, max_model_len, head_dim] per layer. The runner
+never tracks lengths; each request's computed length lives in the request and is passed in as the start
+position, so rolling back rejected drafts is just lowering that number.
+"""
+from __future__ import annotations
+
+import torch
+
+from specdecode.layers.attention import Attention, ForwardBatch
+from specdecode.models.loader import LoadedModel
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, max_num_seqs: int, max_model_len: int, device: str):
+        self.model = loaded.model
+        self.hf_config = loaded.hf_config
+        self.device = torch.device(device)
+        self.max_model_len = max_model_len
+        a = self.model.args
+        self.vocab_size = a.vocab_size
+        cache_dtype = torch.float32 if self.device.type == "cpu" else self.model.embed_tokens.weight.dtype
+        shape = (max_num_seqs, a.num_kv_heads, max_model_len, a.head_dim)
+        for m in self.model.modules():
+            if isinstance(m, Attention):
+                m.k_cache = torch.zeros(shape, dtype=cache_dtype, device=self.device)
+                m.v_cache = torch.zeros(shape, dtype=cache_dtype, device=self.device)
+
+    def _tensor(self, xs: list[int]) -> torch.Tensor:
+        return torch.tensor(xs, dtype=torch.long, device=self.device)
+
+    def prefill(self, slot: int, token_ids: list[int], start: int = 0) -> torch.Tensor:
+        """Computes KV for token_ids at positions start.. and returns the last token's logits [V]."""
+        n = len(token_ids)
+        pos = list(range(start, start + n))
+        b = ForwardBatch(self._tensor(token_ids), self._tensor(pos), self._tensor([slot] * n), [slot] * n, pos,
+                         prefill=True, logits_rows=self._tensor([n - 1]))
+        return self.model(b)[0]
+
+    def forward_rows(self, seqs: list[tuple[int, int, list[int]]], all_logits: bool) -> list[torch.Tensor]:
+        """seqs: (slot, start position, new tokens). Row-invariant path.
+
+        Returns per sequence the logits [len(tokens), V] if all_logits, else the last row's [1, V]."""
+        ids, pos, slots, rows, spans = [], [], [], [], []
+        for slot, start, toks in seqs:
+            base = len(ids)
+            ids += toks
+            pos += range(start, start + len(toks))
+            slots += [slot] * len(toks)
+            if all_logits:
+                spans.append((len(rows), len(toks)))
+                rows += range(base, base + len(toks))
+            else:
+                spans.append((len(rows), 1))
+                rows.append(base + len(toks) - 1)
+        b = ForwardBatch(self._tensor(ids), self._tensor(pos), self._tensor(slots), slots, pos,
+                         prefill=False, logits_rows=self._tensor(rows))
+        logits = self.model(b)
+        return [logits[s:s + n] for s, n in spans]

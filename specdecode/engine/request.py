@@ -1,0 +1,78 @@
+"""Per-request state, owned by the scheduler."""
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from specdecode.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from specdecode.sampling_params import SamplingParams
+from specdecode.tokenizer import IncrementalDetokenizer
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 tokenizer, max_tokens: int, device: torch.device, index: int = 0):
+        self.request_id = request_id
+        self.index = index  # which of the parent's n samples this is
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.max_tokens = max_tokens
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.slot: int | None = None
+        # KV lengths: how many leading tokens of all_token_ids each cache holds. The target always holds
+        # all but the newest token, which is fed at the next step.
+        self.num_computed = 0
+        self.draft_computed = 0
+        self.generator: torch.Generator | None = None
+        if params.seed is not None and not params.greedy:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(params.seed)
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        self.text = ""        # the output text, truncated at a stop string
+        self.sent_text = 0    # chars of text already streamed
+        self.sent_tokens = 0
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.metrics = RequestMetrics(arrival_time=time.time())
+        self.num_spec_steps = 0  # verification passes that carried drafts (adaptive k uses it)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    def completion(self, delta: bool = False) -> CompletionOutput:
+        text, ids = self.text, self.output_token_ids
+        if delta:
+            text, ids = text[self.sent_text:], ids[self.sent_tokens:]
+        lp = self.logprobs
+        if lp is not None and delta:
+            lp = lp[self.sent_tokens:]
+        return CompletionOutput(self.index, text, list(ids), self.cumulative_logprob if lp is not None else None,
+                                lp, self.finish_reason, self.stop_reason)
+
+    def to_output(self, delta: bool = False) -> RequestOutput:
+        out = RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [self.completion(delta)],
+                            self.finished, self.metrics)
+        if delta:
+            self.sent_text, self.sent_tokens = len(self.text), self.num_output_tokens
+        return out

@@ -1,0 +1,61 @@
+"""Attention over a preallocated KV cache.
+
+Tokens arrive flattened: token i belongs to cache slot ``slots[i]`` at position ``positions[i]``.
+Prefill (one whole prompt) runs one causal SDPA call. Decode and verification rows run one SDPA call
+per token over exactly that token's prefix, so a token's output is bitwise the same whether it is
+decoded alone or verified together with drafts or other requests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor      # [N]
+    positions: torch.Tensor      # [N]
+    slots: torch.Tensor          # [N] cache slot of each token
+    slot_list: list[int]         # the same, as Python ints (no device syncs in the per-token loop)
+    pos_list: list[int]
+    prefill: bool                # one sequence, all of its new tokens causal among themselves
+    logits_rows: torch.Tensor    # rows whose logits the caller wants
+
+
+class Attention(nn.Module):
+    def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim, self.scale = n_heads, n_kv_heads, head_dim, scale
+        self.k_cache: torch.Tensor | None = None  # [slots, kv_heads, max_len, head_dim], bound by the engine
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
+        """q: [N, H, D]; k, v: [N, KV, D] -> [N, H*D]."""
+        kc, vc = self.k_cache, self.v_cache
+        kc[b.slots, :, b.positions] = k.to(kc.dtype)
+        vc[b.slots, :, b.positions] = v.to(vc.dtype)
+        n, rep = q.shape[0], self.n_heads // self.n_kv
+        if b.prefill:
+            slot, start = b.slot_list[0], b.pos_list[0]
+            end = start + n
+            keys = kc[slot, :, :end].to(q.dtype)
+            vals = vc[slot, :, :end].to(q.dtype)
+            if rep > 1:
+                keys, vals = keys.repeat_interleave(rep, 0), vals.repeat_interleave(rep, 0)
+            qh = q.transpose(0, 1)
+            if start == 0:
+                out = F.scaled_dot_product_attention(qh, keys, vals, is_causal=True, scale=self.scale)
+            else:
+                allowed = torch.arange(end, device=q.device)[None, :] <= b.positions[:, None]
+                out = F.scaled_dot_product_attention(qh, keys, vals, attn_mask=allowed, scale=self.scale)
+            return out.transpose(0, 1).reshape(n, -1)
+        out = torch.empty(n, self.n_kv, rep, self.head_dim, dtype=q.dtype, device=q.device)
+        # The rep query heads that share a KV head act as rep query rows: no K/V copy for GQA.
+        qg = q.view(n, self.n_kv, rep, self.head_dim)
+        for i, (slot, pos) in enumerate(zip(b.slot_list, b.pos_list)):
+            out[i] = F.scaled_dot_product_attention(
+                qg[i], kc[slot, :, :pos + 1].to(q.dtype), vc[slot, :, :pos + 1].to(q.dtype), scale=self.scale)
+        return out.view(n, -1)

@@ -1,0 +1,60 @@
+"""Linear layers whose output row never depends on which other rows share the call.
+
+Why: speculative verification scores k+1 tokens in one pass while plain decoding scores one. BLAS picks
+different kernels for different row counts, so the same token could get slightly different logits and
+greedy outputs could diverge. On CPU the decode/verify path therefore goes through our row-invariant
+kernel (layers/kernels.py); prompt prefill, which is identical with and without speculation, may use BLAS.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from specdecode.layers import kernels
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def row_invariant(enabled: bool = True):
+    """Within this block, CPU linears use the row-invariant kernel."""
+    prev = getattr(_state, "on", False)
+    _state.on = enabled
+    try:
+        yield
+    finally:
+        _state.on = prev
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.packed: kernels.PackedLinear | None = None
+
+    def prepare(self, quantization: str | None) -> None:
+        """Pack the loaded weight for the CPU kernel; int8 drops the float copy to save memory."""
+        if self.weight.device.type != "cpu":
+            return
+        fmt = "int8" if quantization == "int8" else {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(
+            self.weight.dtype, "fp32")
+        w = self.weight.data if fmt != "fp32" or self.weight.dtype == torch.float32 else self.weight.data.float()
+        self.packed = kernels.pack_linear(w, fmt)
+        if self.bias is not None:
+            self.bias.data = self.bias.data.float()
+        if fmt != "fp32":
+            self.weight = None  # the kernel owns the only copy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.device.type == "cpu":
+            if getattr(_state, "on", False) or self.weight is None:
+                shape = x.shape
+                out = kernels.rowinv_linear(x.reshape(-1, shape[-1]).float().contiguous(), self.packed, self.bias)
+                return out.reshape(*shape[:-1], self.out_features)
+        return F.linear(x, self.weight, self.bias)

@@ -1,0 +1,46 @@
+"""Rotary position embedding (HF's rotate-half layout), with llama3 and linear scaling."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+
+def _inv_freq(rot_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    if kind in (None, "default"):
+        return inv
+    if kind == "linear":
+        return inv / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        lo, hi = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        low_wl, high_wl = old_len / lo, old_len / hi
+        scaled = torch.where(wavelen > low_wl, inv / factor, inv)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= high_wl) & (wavelen <= low_wl)
+        return torch.where(is_mid, mid, scaled)
+    raise ValueError(f"Unsupported rope_scaling type {kind!r}; supported: default, linear, llama3.")
+
+
+class Rotary(nn.Module):
+    def __init__(self, rot_dim: int, max_pos: int, theta: float, scaling: dict | None):
+        super().__init__()
+        inv = _inv_freq(rot_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [N, heads, head_dim]; positions: [N]."""
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin

@@ -1,0 +1,69 @@
+"""Logits processing shared by plain sampling, the draft model and the rejection sampler.
+
+Everything is row-wise, so a row's result never depends on the other rows in the batch.
+"""
+from __future__ import annotations
+
+import torch
+
+from specdecode.sampling_params import SamplingParams
+
+
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
+                    history: list[list[int]]) -> torch.Tensor:
+    """Presence / frequency / repetition penalties; history[i] is the output so far as seen by row i."""
+    if not any(p.has_penalties for p in params):
+        return logits
+    logits = logits.clone()
+    for i, (p, hist) in enumerate(zip(params, history)):
+        if not p.has_penalties or not hist:
+            continue
+        ids = torch.tensor(hist, device=logits.device)
+        counts = torch.zeros(logits.shape[-1], device=logits.device).scatter_add_(
+            0, ids, torch.ones_like(ids, dtype=torch.float32))
+        seen = counts > 0
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            row = torch.where(seen, torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty), row)
+        row = row - p.frequency_penalty * counts - p.presence_penalty * seen.float()
+        logits[i] = row
+    return logits
+
+
+def logits_to_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p, then softmax. Greedy rows get a one-hot argmax."""
+    logits = logits.float()
+    probs = torch.empty_like(logits)
+    for i, p in enumerate(params):
+        row = logits[i]
+        if p.greedy:
+            probs[i] = torch.zeros_like(row).scatter_(0, row.argmax().view(1), 1.0)
+            continue
+        row = row / p.temperature
+        if 0 < p.top_k < row.numel():
+            kth = torch.topk(row, p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        pr = torch.softmax(row, dim=-1)
+        if p.top_p < 1.0:
+            sorted_p, idx = pr.sort(descending=True)
+            # keep the smallest prefix whose mass reaches top_p (the token that crosses it stays)
+            drop_sorted = (sorted_p.cumsum(0) - sorted_p) >= p.top_p
+            pr = pr.masked_fill(torch.zeros_like(drop_sorted).scatter_(0, idx, drop_sorted), 0.0)
+        if p.min_p > 0.0:
+            pr = pr.masked_fill(pr < p.min_p * pr.max(), 0.0)
+        probs[i] = pr / pr.sum()
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def logprobs_of(logits: torch.Tensor, token: int, top_n: int) -> dict[int, float]:
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    out = {int(token): float(lp[token])}
+    if top_n > 0:
+        vals, ids = lp.topk(top_n)
+        for v, t in zip(vals.tolist(), ids.tolist()):
+            out.setdefault(int(t), float(v))
+    return out

@@ -1,0 +1,134 @@
+"""Offline entry points: vLLM's ``LLM`` and SGLang's ``Engine``."""
+from __future__ import annotations
+
+import sys
+from typing import Any, Sequence
+
+from specdecode.config import EngineConfig
+from specdecode.engine.llm_engine import LLMEngine
+from specdecode.outputs import RequestOutput
+from specdecode.sampling_params import SamplingParams
+from specdecode.spec.metrics import SpecDecodeStats
+from specdecode.tokenizer import apply_chat_template
+
+PromptType = str | list[int] | dict
+
+
+class LLM:
+    """``LLM(model=..., speculative_model=DRAFT or "[ngram]", num_speculative_tokens=k, ...)``.
+
+    With no model at all, the embedded default pair is used (Qwen2.5-Coder 1.5B target, 0.5B draft)."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        if model is None and "speculative_model" not in kwargs and "speculative_config" not in kwargs:
+            kwargs.update(speculative_model="default", num_speculative_tokens=kwargs.pop("num_speculative_tokens", 4))
+        self.config = EngineConfig.from_kwargs(model=model, **kwargs)
+        self.engine = LLMEngine(self.config)
+        self._next_id = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def spec_decode_metrics(self) -> SpecDecodeStats:
+        return self.engine.spec_stats
+
+    def generate(self, prompts: PromptType | Sequence[PromptType] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, prompt_token_ids: list[list[int]] | None = None) -> list[RequestOutput]:
+        items = self._normalise(prompts, prompt_token_ids)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(items)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(items):
+                raise ValueError(f"Got {len(items)} prompts but {len(params)} SamplingParams; pass one, or one per prompt.")
+        # Encode everything first so a bad prompt fails before any work is queued.
+        encoded = [self.engine.encode_prompt(text, ids) for text, ids in items]
+        return self._run([(t, e, p) for (t, _), e, p in zip(items, encoded, params)], use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [apply_chat_template(self.engine.tokenizer, c, add_generation_prompt) for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    @staticmethod
+    def _normalise(prompts, prompt_token_ids) -> list[tuple[str | None, list[int] | None]]:
+        if prompt_token_ids is not None:
+            return [(None, list(ids)) for ids in prompt_token_ids]
+        if prompts is None:
+            raise ValueError("generate() needs prompts: a string, a list of strings, or token id lists.")
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        out = []
+        for p in prompts:
+            if isinstance(p, dict):
+                out.append((p.get("prompt"), p.get("prompt_token_ids")))
+            elif isinstance(p, str):
+                out.append((p, None))
+            elif isinstance(p, (list, tuple)):
+                out.append((None, list(p)))
+            else:
+                raise ValueError(f"Unsupported prompt type {type(p).__name__}; use str, list[int] or "
+                                 "{'prompt_token_ids': [...]}.")
+        return out
+
+    def _run(self, work: list[tuple[str | None, list[int], SamplingParams]], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm import tqdm
+
+        eng = self.engine
+        ids, results = [], {}
+        pending = list(enumerate(work))
+        bar = tqdm(total=len(work), desc="Generating", unit="req", file=sys.stderr,
+                   disable=not (use_tqdm and sys.stderr.isatty()))
+        with bar:
+            while pending or eng.has_unfinished_requests():
+                # Offline: keep the queue short so huge prompt lists never hit the waiting limit.
+                while pending and len(eng.scheduler.waiting) < eng.config.max_num_seqs:
+                    i, (text, enc, p) = pending.pop(0)
+                    rid = str(self._next_id)
+                    self._next_id += 1
+                    ids.append(rid)
+                    eng.add_request(rid, text, p, prompt_token_ids=enc)
+                for out in eng.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        return [results[r] for r in ids]
+
+
+class Engine:
+    """SGLang-style: ``Engine(model_path, speculative_draft_model_path, speculative_num_draft_tokens)``."""
+
+    def __init__(self, model_path: str | None = None, speculative_draft_model_path: str | None = None,
+                 speculative_num_draft_tokens: int | None = None, speculative_algorithm: str | None = None,
+                 **kwargs: Any):
+        if speculative_algorithm and speculative_algorithm.upper() == "NGRAM":
+            speculative_draft_model_path = "[ngram]"
+        if speculative_draft_model_path:
+            kwargs["speculative_model"] = speculative_draft_model_path
+            kwargs["num_speculative_tokens"] = speculative_num_draft_tokens or 4
+        for ours, theirs in (("max_model_len", "context_length"), ("seed", "random_seed"),
+                             ("max_num_seqs", "max_running_requests")):
+            if theirs in kwargs:
+                kwargs[ours] = kwargs.pop(theirs)
+        self.llm = LLM(model_path, **kwargs)
+
+    def generate(self, prompt: str | list[str], sampling_params: dict | None = None) -> dict | list[dict]:
+        sp = dict(sampling_params or {})
+        if "max_new_tokens" in sp:
+            sp["max_tokens"] = sp.pop("max_new_tokens")
+        if "stop_token_ids" in sp and sp["stop_token_ids"] is None:
+            sp.pop("stop_token_ids")
+        outs = self.llm.generate(prompt, SamplingParams(**sp), use_tqdm=False)
+        res = [{"text": o.outputs[0].text, "output_ids": o.outputs[0].token_ids,
+                "meta_info": {"finish_reason": o.outputs[0].finish_reason,
+                              "prompt_tokens": len(o.prompt_token_ids),
+                              "completion_tokens": len(o.outputs[0].token_ids),
+                              "spec_verify_ct": o.metrics.spec_decode.num_drafts,
+                              "spec_accepted_tokens": o.metrics.spec_decode.num_accepted_tokens}} for o in outs]
+        return res[0] if isinstance(prompt, str) else res
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,258 @@
+"""One decoder-only transformer that covers every supported family.
+
+The families differ only in a handful of switches (norm kind, positional scheme, MLP shape, biases,
+q/k norm), so one module with a ModelArgs describes them all; ``FAMILIES`` translates each HF config and
+renames its checkpoint tensors to our parameter names.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from specdecode.layers.activation import get_activation
+from specdecode.layers.attention import Attention, ForwardBatch
+from specdecode.layers.linear import Linear, row_invariant
+from specdecode.layers.norm import LayerNorm, RMSNorm
+from specdecode.layers.rotary import Rotary
+
+
+@dataclass
+class ModelArgs:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    norm: str = "rms"               # "rms" | "layer"
+    norm_eps: float = 1e-6
+    positions: str = "rope"         # "rope" | "learned"
+    position_offset: int = 0        # OPT stores learned positions shifted by 2
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    gated_mlp: bool = True
+    activation: str = "silu"
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    tie_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+
+def _llama_args(c: dict, family: str) -> ModelArgs:
+    heads = c["num_attention_heads"]
+    return ModelArgs(
+        family=family, vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+        num_layers=c["num_hidden_layers"], num_heads=heads,
+        num_kv_heads=c.get("num_key_value_heads") or heads,
+        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+        intermediate_size=c["intermediate_size"],
+        max_position_embeddings=c.get("max_position_embeddings", 4096),
+        norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=c.get("rope_theta", 10000.0),
+        rope_scaling=c.get("rope_scaling") or (c.get("rope_parameters") if (c.get("rope_parameters") or {}).get(
+            "rope_type", "default") != "default" else None),
+        activation=c.get("hidden_act", "silu"),
+        qkv_bias=family == "qwen2" or bool(c.get("attention_bias", False)),
+        out_bias=family != "qwen2" and bool(c.get("attention_bias", False)),
+        mlp_bias=bool(c.get("mlp_bias", False)), qk_norm=family == "qwen3",
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        bos_token_id=c.get("bos_token_id"), eos_token_id=c.get("eos_token_id"))
+
+
+def _opt_args(c: dict, family: str) -> ModelArgs:
+    if not c.get("do_layer_norm_before", True) or c.get("word_embed_proj_dim", c["hidden_size"]) != c["hidden_size"]:
+        raise ValueError("This OPT variant (post-layer-norm or projected embeddings, e.g. opt-350m) is not "
+                         "supported; the other OPT sizes (125m, 1.3b, 2.7b, 6.7b, ...) are.")
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    return ModelArgs(
+        family=family, vocab_size=c["vocab_size"], hidden_size=h, num_layers=c["num_hidden_layers"],
+        num_heads=heads, num_kv_heads=heads, head_dim=h // heads, intermediate_size=c["ffn_dim"],
+        max_position_embeddings=c.get("max_position_embeddings", 2048), norm="layer", norm_eps=1e-5,
+        positions="learned", position_offset=2, gated_mlp=False,
+        activation=c.get("activation_function", "relu"), qkv_bias=c.get("enable_bias", True),
+        out_bias=c.get("enable_bias", True), mlp_bias=c.get("enable_bias", True),
+        tie_embeddings=c.get("tie_word_embeddings", True),
+        bos_token_id=c.get("bos_token_id"), eos_token_id=c.get("eos_token_id"))
+
+
+def _gpt2_args(c: dict, family: str) -> ModelArgs:
+    h, heads = c["n_embd"], c["n_head"]
+    return ModelArgs(
+        family=family, vocab_size=c["vocab_size"], hidden_size=h, num_layers=c["n_layer"], num_heads=heads,
+        num_kv_heads=heads, head_dim=h // heads, intermediate_size=c.get("n_inner") or 4 * h,
+        max_position_embeddings=c.get("n_positions", 1024), norm="layer",
+        norm_eps=c.get("layer_norm_epsilon", 1e-5), positions="learned", gated_mlp=False,
+        activation=c.get("activation_function", "gelu_new"), qkv_bias=True, out_bias=True, mlp_bias=True,
+        tie_embeddings=True, bos_token_id=c.get("bos_token_id"), eos_token_id=c.get("eos_token_id"))
+
+
+# ---- checkpoint name mapping: HF name -> [(our name, tensor)] ----
+_LLAMA_RENAMES = [
+    (r"^model\.embed_tokens\.", "embed_tokens."), (r"^model\.norm\.", "norm."),
+    (r"^model\.layers\.(\d+)\.self_attn\.(q|k|v|o)_proj\.", r"layers.\1.\2_proj."),
+    (r"^model\.layers\.(\d+)\.self_attn\.(q|k)_norm\.", r"layers.\1.\2_norm."),
+    (r"^model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.", r"layers.\1.\2_proj."),
+    (r"^model\.layers\.(\d+)\.input_layernorm\.", r"layers.\1.attn_norm."),
+    (r"^model\.layers\.(\d+)\.post_attention_layernorm\.", r"layers.\1.mlp_norm."),
+    (r"^lm_head\.", "lm_head."),
+]
+_OPT_RENAMES = [
+    (r"^(model\.)?decoder\.embed_tokens\.", "embed_tokens."),
+    (r"^(model\.)?decoder\.embed_positions\.", "embed_positions."),
+    (r"^(model\.)?decoder\.final_layer_norm\.", "norm."),
+    (r"^(model\.)?decoder\.layers\.(\d+)\.self_attn\.(q|k|v)_proj\.", r"layers.\2.\3_proj."),
+    (r"^(model\.)?decoder\.layers\.(\d+)\.self_attn\.out_proj\.", r"layers.\2.o_proj."),
+    (r"^(model\.)?decoder\.layers\.(\d+)\.self_attn_layer_norm\.", r"layers.\2.attn_norm."),
+    (r"^(model\.)?decoder\.layers\.(\d+)\.final_layer_norm\.", r"layers.\2.mlp_norm."),
+    (r"^(model\.)?decoder\.layers\.(\d+)\.fc1\.", r"layers.\2.up_proj."),
+    (r"^(model\.)?decoder\.layers\.(\d+)\.fc2\.", r"layers.\2.down_proj."),
+    (r"^lm_head\.", "lm_head."),
+]
+_GPT2_RENAMES = [
+    (r"^(transformer\.)?wte\.", "embed_tokens."), (r"^(transformer\.)?wpe\.", "embed_positions."),
+    (r"^(transformer\.)?ln_f\.", "norm."),
+    (r"^(transformer\.)?h\.(\d+)\.ln_1\.", r"layers.\2.attn_norm."),
+    (r"^(transformer\.)?h\.(\d+)\.ln_2\.", r"layers.\2.mlp_norm."),
+    (r"^(transformer\.)?h\.(\d+)\.attn\.c_attn\.", r"layers.\2.c_attn."),
+    (r"^(transformer\.)?h\.(\d+)\.attn\.c_proj\.", r"layers.\2.o_proj."),
+    (r"^(transformer\.)?h\.(\d+)\.mlp\.c_fc\.", r"layers.\2.up_proj."),
+    (r"^(transformer\.)?h\.(\d+)\.mlp\.c_proj\.", r"layers.\2.down_proj."),
+    (r"^lm_head\.", "lm_head."),
+]
+
+
+def _rename(rules, name: str) -> str | None:
+    for pat, rep in rules:
+        if re.match(pat, name):
+            return re.sub(pat, rep, name)
+    return None
+
+
+def _map_simple(rules):
+    def mapper(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        new = _rename(rules, name)
+        return [] if new is None else [(new, t)]
+    return mapper
+
+
+def _map_gpt2(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    new = _rename(_GPT2_RENAMES, name)
+    if new is None or name.endswith((".attn.bias", ".attn.masked_bias")):
+        return []
+    if re.search(r"\.(c_attn|o_proj|up_proj|down_proj)\.weight$", new):
+        t = t.t()  # GPT-2 stores Conv1D weights as [in, out]
+    if ".c_attn." in new:
+        prefix, kind = new.split(".c_attn.")
+        return [(f"{prefix}.{p}_proj.{kind}", part) for p, part in zip("qkv", t.chunk(3, dim=0))]
+    return [(new, t)]
+
+
+@dataclass
+class Family:
+    make_args: Callable[[dict, str], ModelArgs]
+    map_weight: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(_llama_args, _map_simple(_LLAMA_RENAMES)),
+    "qwen2": Family(_llama_args, _map_simple(_LLAMA_RENAMES)),
+    "qwen3": Family(_llama_args, _map_simple(_LLAMA_RENAMES)),
+    "opt": Family(_opt_args, _map_simple(_OPT_RENAMES)),
+    "gpt2": Family(_gpt2_args, _map_gpt2),
+}
+
+ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3", "OPTForCausalLM": "opt", "GPT2LMHeadModel": "gpt2",
+}
+
+
+def family_of(hf_config: dict) -> str:
+    archs = hf_config.get("architectures") or []
+    for a in archs:
+        if a in ARCHITECTURES:
+            return ARCHITECTURES[a]
+    raise ValueError(f"Unsupported model architecture {archs or hf_config.get('model_type')!r}. "
+                     f"Supported architectures: {', '.join(sorted(ARCHITECTURES))}.")
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        Norm = RMSNorm if a.norm == "rms" else LayerNorm
+        h, d = a.hidden_size, a.head_dim
+        self.a = a
+        self.attn_norm, self.mlp_norm = Norm(h, a.norm_eps), Norm(h, a.norm_eps)
+        self.q_proj = Linear(h, a.num_heads * d, a.qkv_bias)
+        self.k_proj = Linear(h, a.num_kv_heads * d, a.qkv_bias)
+        self.v_proj = Linear(h, a.num_kv_heads * d, a.qkv_bias)
+        self.o_proj = Linear(a.num_heads * d, h, a.out_bias)
+        if a.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(d, a.norm_eps), RMSNorm(d, a.norm_eps)
+        self.attn = Attention(a.num_heads, a.num_kv_heads, d, d ** -0.5)
+        if a.gated_mlp:
+            self.gate_proj = Linear(h, a.intermediate_size, a.mlp_bias)
+        self.up_proj = Linear(h, a.intermediate_size, a.mlp_bias)
+        self.down_proj = Linear(a.intermediate_size, h, a.mlp_bias)
+        self.act = get_activation(a.activation)
+
+    def forward(self, x: torch.Tensor, b: ForwardBatch, rotary: Rotary | None) -> torch.Tensor:
+        a, n = self.a, x.shape[0]
+        y = self.attn_norm(x)
+        q = self.q_proj(y).view(n, a.num_heads, a.head_dim)
+        k = self.k_proj(y).view(n, a.num_kv_heads, a.head_dim)
+        v = self.v_proj(y).view(n, a.num_kv_heads, a.head_dim)
+        if a.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rotary is not None:
+            q, k = rotary(q, b.positions), rotary(k, b.positions)
+        x = x + self.o_proj(self.attn(q, k, v, b))
+        y = self.mlp_norm(x)
+        hidden = self.act(self.gate_proj(y)) * self.up_proj(y) if a.gated_mlp else self.act(self.up_proj(y))
+        return x + self.down_proj(hidden)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, a: ModelArgs, max_model_len: int):
+        super().__init__()
+        self.args = a
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.rotary = None
+        if a.positions == "learned":
+            self.embed_positions = nn.Embedding(a.max_position_embeddings + a.position_offset, a.hidden_size)
+            self.embed_positions.weight.requires_grad_(False)
+        else:
+            self.rotary = Rotary(a.head_dim, max(max_model_len, 1), a.rope_theta, a.rope_scaling)
+        self.layers = nn.ModuleList(Block(a) for _ in range(a.num_layers))
+        self.norm = (RMSNorm if a.norm == "rms" else LayerNorm)(a.hidden_size, a.norm_eps)
+        self.lm_head = Linear(a.hidden_size, a.vocab_size, False)
+
+    def param_count(self) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        n += sum(m.packed.out_features * m.packed.in_features for m in self.modules()
+                 if isinstance(m, Linear) and m.weight is None and m.packed is not None)
+        return n
+
+    @torch.inference_mode()
+    def forward(self, b: ForwardBatch) -> torch.Tensor:
+        """Returns logits [len(b.logits_rows), vocab] in float32."""
+        with row_invariant(not b.prefill):
+            x = self.embed_tokens(b.input_ids)
+            if self.rotary is None:
+                x = x + self.embed_positions(b.positions + self.args.position_offset)
+            for layer in self.layers:
+                x = layer(x, b, self.rotary)
+            x = self.norm(x[b.logits_rows])
+            # The logits row is always computed by the row-invariant path, also after prefill.
+            with row_invariant(True):
+                return self.lm_head(x).float()

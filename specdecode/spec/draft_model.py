@@ -1,0 +1,83 @@
+"""A small draft model proposes k tokens autoregressively on its own KV cache, batched over requests."""
+from __future__ import annotations
+
+import torch
+
+from specdecode.engine.model_runner import ModelRunner
+from specdecode.layers.sampler import logits_to_probs, sample
+from specdecode.spec.proposer import Proposal
+
+
+class DraftModelProposer:
+    def __init__(self, runner: ModelRunner, target_vocab: int, p_min: float = 0.0):
+        self.runner = runner
+        self.vocab = target_vocab
+        self.p_min = p_min
+
+    def _catch_up(self, requests: list) -> list[torch.Tensor]:
+        """Feed each request's tokens the draft has not seen; return each one's next-token logits [V]."""
+        out: list[torch.Tensor | None] = [None] * len(requests)
+        rows, idx = [], []
+        for i, r in enumerate(requests):
+            pending = r.all_token_ids[r.draft_computed:]
+            if r.draft_computed == 0:
+                out[i] = self.runner.prefill(r.slot, pending)
+            else:
+                rows.append((r.slot, r.draft_computed, pending))
+                idx.append(i)
+            r.draft_computed = len(r.all_token_ids)
+        if rows:
+            for i, lg in zip(idx, self.runner.forward_rows(rows, all_logits=False)):
+                out[i] = lg[0]
+        return out
+
+    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        # Embedding tables may be padded differently; the token ids that matter are shared.
+        v = logits.shape[-1]
+        if v == self.vocab:
+            return logits
+        if v > self.vocab:
+            return logits[..., :self.vocab]
+        pad = logits.new_full((*logits.shape[:-1], self.vocab - v), float("-inf"))
+        return torch.cat([logits, pad], dim=-1)
+
+    def propose(self, requests: list, ks: list[int]) -> Proposal:
+        active = [i for i, k in enumerate(ks) if k > 0]
+        tokens: list[list[int]] = [[] for _ in requests]
+        kmax = max(ks, default=0)
+        need_probs = any(not requests[i].params.greedy for i in active)
+        probs = (torch.zeros(len(requests), kmax, self.vocab, device=self.runner.device)
+                 if need_probs and kmax else None)
+        if not active:
+            return Proposal(tokens, probs)
+        logits = dict(zip(active, self._catch_up([requests[i] for i in active])))
+        for step in range(kmax):
+            feed = []
+            for i in list(active):
+                r = requests[i]
+                lg = self._fit_vocab(logits[i].float())
+                p = logits_to_probs(lg[None], [r.params])[0]
+                if r.params.greedy:
+                    tok = int(lg.argmax())
+                    if self.p_min > 0 and float(torch.softmax(lg, -1)[tok]) < self.p_min and step > 0:
+                        active.remove(i)  # the draft is unsure: verifying more would likely be wasted
+                        continue
+                else:
+                    tok = sample(p, r.generator)
+                    probs[i, step] = p
+                tokens[i].append(tok)
+                if len(tokens[i]) >= ks[i]:
+                    active.remove(i)
+                else:
+                    feed.append(i)
+            if not feed:
+                break
+            outs = self.runner.forward_rows(
+                [(requests[i].slot, requests[i].draft_computed, [tokens[i][-1]]) for i in feed], all_logits=False)
+            for i, lg in zip(feed, outs):
+                requests[i].draft_computed += 1
+                logits[i] = lg[0]
+        return Proposal(tokens, probs)
+
+    def rollback(self, request, valid_len: int) -> None:
+        request.draft_computed = min(request.draft_computed, valid_len)
