@@ -48,6 +48,14 @@ class ModelArgs:
     eos_token_id: int | list[int] | None = None
 
 
+def _rope(c: dict) -> tuple[float, dict | None]:
+    """(theta, scaling) from either the classic keys or transformers 5's ``rope_parameters``."""
+    rp = c.get("rope_parameters") or {}
+    theta = c.get("rope_theta") or rp.get("rope_theta") or 10000.0
+    scaling = c.get("rope_scaling") or (rp if rp.get("rope_type", "default") != "default" else None)
+    return float(theta), scaling
+
+
 def _llama_args(c: dict, family: str) -> ModelArgs:
     heads = c["num_attention_heads"]
     return ModelArgs(
@@ -57,9 +65,7 @@ def _llama_args(c: dict, family: str) -> ModelArgs:
         head_dim=c.get("head_dim") or c["hidden_size"] // heads,
         intermediate_size=c["intermediate_size"],
         max_position_embeddings=c.get("max_position_embeddings", 4096),
-        norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=c.get("rope_theta", 10000.0),
-        rope_scaling=c.get("rope_scaling") or (c.get("rope_parameters") if (c.get("rope_parameters") or {}).get(
-            "rope_type", "default") != "default" else None),
+        norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=_rope(c)[0], rope_scaling=_rope(c)[1],
         activation=c.get("hidden_act", "silu"),
         qkv_bias=family == "qwen2" or bool(c.get("attention_bias", False)),
         out_bias=family != "qwen2" and bool(c.get("attention_bias", False)),
