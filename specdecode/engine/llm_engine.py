@@ -14,6 +14,7 @@ from specdecode.layers.sampler import apply_penalties, logits_to_probs, logprobs
 from specdecode.models.loader import load_model
 from specdecode.outputs import RequestOutput
 from specdecode.sampling_params import SamplingParams
+from specdecode.spec.adaptive import PROBE_EVERY, CostModel, choose_k, update_acceptance
 from specdecode.spec.metrics import SpecDecodeStats
 from specdecode.spec.rejection_sampler import rejection_sample
 from specdecode.tokenizer import eos_ids, load_tokenizer
@@ -57,6 +58,7 @@ class LLMEngine:
         self.load_time = time.perf_counter() - t0
         self.scheduler = Scheduler(c.max_num_seqs, c.max_waiting_requests)
         self.spec_stats = SpecDecodeStats()
+        self.costs = CostModel()
         self._parents: dict[str, list[Request]] = {}
         self._counter = 0
         self.num_prompt_tokens = 0
@@ -155,16 +157,27 @@ class LLMEngine:
         if self.proposer is None or (spec.disable_by_batch_size and n_running >= spec.disable_by_batch_size):
             return 0
         left = min(r.max_tokens - r.num_output_tokens - 1, self.max_model_len - len(r.all_token_ids))
-        return max(0, min(spec.num_speculative_tokens, left))
+        k = max(0, min(spec.num_speculative_tokens, left))
+        if spec.adaptive and k:
+            chosen = choose_k(r.accept_ema if r.accept_ema is not None else 0.7, k, self.costs,
+                              draft_is_free=spec.method == "ngram")
+            r.steps_without_spec = 0 if chosen else r.steps_without_spec + 1
+            k = chosen or (1 if r.steps_without_spec % PROBE_EVERY == 0 else 0)
+        return k
 
     def _decode(self, reqs: list[Request]) -> None:
         ks = [self._spec_budget(r, len(reqs)) for r in reqs]
         drafts, draft_probs = [[] for _ in reqs], None
         if any(ks):
+            t0 = time.perf_counter()
             prop = self.proposer.propose(reqs, ks)
+            self.costs.observe_draft(max(ks), time.perf_counter() - t0)
             drafts, draft_probs = prop.tokens, prop.probs
         seqs = [(r.slot, r.num_computed, [r.all_token_ids[-1]] + d) for r, d in zip(reqs, drafts)]
+        t0 = time.perf_counter()
         logits = self.target.forward_rows(seqs, all_logits=True)
+        if len(reqs) == 1:  # the cost model is per request; batched passes would skew it
+            self.costs.observe_verify(len(seqs[0][2]), time.perf_counter() - t0)
         kmax = max(len(d) for d in drafts)
         dt = torch.zeros(len(reqs), kmax, dtype=torch.long)
         for i, d in enumerate(drafts):
@@ -181,6 +194,7 @@ class LLMEngine:
                 self.proposer.rollback(r, len(r.all_token_ids) + a)
             if drafts[i]:
                 r.metrics.spec_decode.record(len(drafts[i]), a)
+                r.accept_ema = update_acceptance(r.accept_ema, len(drafts[i]), a)
                 self.spec_stats.record(len(drafts[i]), a)
             self._commit(r, result.tokens[i], logits[i])
 

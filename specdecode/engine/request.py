@@ -46,7 +46,8 @@ class Request:
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.metrics = RequestMetrics(arrival_time=time.time())
-        self.num_spec_steps = 0  # verification passes that carried drafts (adaptive k uses it)
+        self.accept_ema: float | None = None  # adaptive k: running per-token acceptance estimate
+        self.steps_without_spec = 0
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -1,0 +1,80 @@
+"""Choose k per request so that speculation never costs more than it gains.
+
+With per-token acceptance probability a, drafting k tokens yields (1 - a^(k+1)) / (1 - a) tokens per target
+pass. That pass costs verify(k+1 rows) plus k draft steps. We measure both costs online, keep an
+exponential average of each request's acceptance, and pick the k with the most tokens per second; k = 0
+(plain decoding) wins whenever the draft is too slow or too often wrong. Requests at k = 0 are probed with
+k = 1 now and then, so a request whose text turns predictable gets speculation back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_EMA = 0.3
+PROBE_EVERY = 8
+
+
+@dataclass
+class CostModel:
+    verify: dict[int, float] = field(default_factory=dict)  # rows per request -> seconds per pass
+    draft_step: float | None = None                          # seconds per draft step
+
+    def observe_verify(self, rows: int, seconds: float) -> None:
+        old = self.verify.get(rows)
+        self.verify[rows] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
+
+    def observe_draft(self, steps: int, seconds: float) -> None:
+        if steps <= 0:
+            return
+        s = seconds / steps
+        self.draft_step = s if self.draft_step is None else (1 - _EMA) * self.draft_step + _EMA * s
+
+    def verify_cost(self, rows: int) -> float | None:
+        if rows in self.verify:
+            return self.verify[rows]
+        known = sorted(self.verify)
+        if not known:
+            return None
+        # Interpolate linearly between measured row counts (extrapolate from the two nearest).
+        lo = max((r for r in known if r <= rows), default=known[0])
+        hi = min((r for r in known if r >= rows), default=known[-1])
+        if lo == hi:
+            if len(known) < 2:
+                return self.verify[lo]
+            a, b = known[-2:] if rows > known[-1] else known[:2]
+            lo, hi = a, b
+        t = (rows - lo) / (hi - lo)
+        return self.verify[lo] + t * (self.verify[hi] - self.verify[lo])
+
+
+def expected_tokens(a: float, k: int) -> float:
+    if a >= 1.0:
+        return k + 1.0
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def choose_k(a: float, k_max: int, costs: CostModel, draft_is_free: bool) -> int:
+    """The k in 0..k_max with the best expected tokens per second; k_max while costs are unmeasured."""
+    base = costs.verify_cost(1)
+    step = 0.0 if draft_is_free else costs.draft_step
+    if base is None or step is None:
+        return k_max
+    best_k, best = 0, 1.0 / base
+    for k in range(1, k_max + 1):
+        v = costs.verify_cost(k + 1)
+        if v is None:
+            return k_max
+        rate = expected_tokens(a, k) / (v + k * step)
+        if rate > best * 1.02:  # demand a margin: a tie is not worth the risk
+            best_k, best = k, rate
+    return best_k
+
+
+def update_acceptance(prev: float | None, drafted: int, accepted: int) -> float:
+    """Per-token acceptance estimate from one verification (a run of `accepted` then a rejection, or all)."""
+    if drafted <= 0:
+        return prev if prev is not None else 0.7
+    # A run of `accepted` ended by a rejection is the geometric estimate accepted / (accepted + 1);
+    # a fully accepted run only says "high".
+    sample = 1.0 if accepted == drafted else accepted / (accepted + 1)
+    return sample if prev is None else (1 - _EMA) * prev + _EMA * sample
