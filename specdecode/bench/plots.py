@@ -1,0 +1,124 @@
+"""PNG charts of a benchmark result (matplotlib, Agg backend: no display needed)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+_COLORS = {"ngram": "tab:orange", "draft": "tab:blue"}
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _spec_configs(result: dict) -> list[dict]:
+    return [c for c in result["configs"] if c["method"] != "none"]
+
+
+def _config_colors(plt, cfgs: list[dict]) -> dict[str, tuple]:
+    """One colour family per method (ngram oranges, draft blues), darker for larger k."""
+    maps = {"ngram": plt.get_cmap("Oranges"), "draft": plt.get_cmap("Blues")}
+    out = {}
+    for method in dict.fromkeys(c["method"] for c in cfgs):
+        group = [c for c in cfgs if c["method"] == method]
+        cmap = maps.get(method, plt.get_cmap("Greens"))
+        for i, c in enumerate(group):
+            out[c["name"]] = cmap(0.45 + 0.45 * (i / max(1, len(group) - 1)) if len(group) > 1 else 0.7)
+    return out
+
+
+def _subtitle(result: dict) -> str:
+    m = result["meta"]
+    mode = "greedy" if m.get("greedy", True) else f"T={m.get('temperature')}"
+    return f"{m.get('dataset')}, max_tokens={m.get('max_tokens')}, {mode}, {m.get('threads')} threads"
+
+
+def plot_speedup_per_category(result: dict, path: Path) -> Path:
+    plt = _plt()
+    cfgs = _spec_configs(result)
+    groups = list(result["categories"]) + ["overall"]
+    data = {**result["per_category"], "overall": result["overall"]}
+    fig, ax = plt.subplots(figsize=(max(6.0, min(16.0, 3 + 0.22 * len(groups) * max(1, len(cfgs)))), 4.5))
+    width = 0.8 / max(1, len(cfgs))
+    colors = _config_colors(plt, cfgs)
+    for j, c in enumerate(cfgs):
+        xs = [i + (j - (len(cfgs) - 1) / 2) * width for i in range(len(groups))]
+        ys = [data[g][c["name"]]["speedup"] or 0.0 for g in groups]
+        ax.bar(xs, ys, width=width, label=c["name"], color=colors[c["name"]], edgecolor="white", linewidth=0.5)
+    ax.axhline(1.0, color="black", linewidth=1, linestyle="--", label="baseline (1.0x)")
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(groups, rotation=30, ha="right")
+    ax.set_ylabel("decode speedup vs baseline (x)")
+    ax.set_title("Speedup per category\n" + _subtitle(result), fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def plot_acceptance_per_position(result: dict, path: Path) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    cfgs = _spec_configs(result)
+    colors = _config_colors(plt, cfgs)
+    for c in cfgs:
+        rates = result["overall"][c["name"]]["per_position_acceptance"]
+        if rates:
+            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=c["name"], color=colors[c["name"]])
+    kmax = max((len(result["overall"][c["name"]]["per_position_acceptance"]) for c in cfgs), default=0)
+    if kmax:
+        ax.set_xticks(range(1, kmax + 1))
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate (accepted at position / drafts)")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("Acceptance per draft position\n" + _subtitle(result), fontsize=10)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_tokens_per_s_vs_k(result: dict, path: Path) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    overall = result["overall"]
+    by_method: dict[str, list[tuple[int, float]]] = {}
+    for c in _spec_configs(result):
+        v = overall[c["name"]]["decode_tokens_per_s"]
+        if v is not None:
+            by_method.setdefault(c["method"], []).append((c["k"], v))
+    for method, pts in by_method.items():
+        pts.sort()
+        ax.plot([k for k, _ in pts], [v for _, v in pts], marker="o", label=method, color=_COLORS.get(method))
+    base = overall.get("baseline", {}).get("decode_tokens_per_s")
+    if base:
+        ax.axhline(base, color="black", linestyle="--", linewidth=1, label="baseline (no speculation)")
+    ks = sorted({c["k"] for c in _spec_configs(result)})
+    if ks:
+        ax.set_xticks(ks)
+    ax.set_xlabel("k (draft tokens per step)")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_ylim(bottom=0)
+    ax.set_title("Decode tokens/s vs k\n" + _subtitle(result), fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_plots(result: dict, out_dir: str | Path) -> list[Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return [plot_speedup_per_category(result, out / "speedup_per_category.png"),
+            plot_acceptance_per_position(result, out / "acceptance_per_position.png"),
+            plot_tokens_per_s_vs_k(result, out / "tokens_per_s_vs_k.png")]

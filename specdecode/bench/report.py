@@ -1,0 +1,166 @@
+"""Aggregates benchmark runs (per category and overall) and formats them as terminal tables.
+
+Definitions (vLLM's):
+  decode tokens/s      tokens after the first / time from the first token to the last (prefill excluded),
+                       summed over the prompts of a group before dividing
+  speedup              decode tokens/s of a config / decode tokens/s of the baseline on the same prompts
+  acceptance rate      accepted draft tokens / drafted tokens
+  mean accept. length  1 + accepted / drafts (tokens emitted per target verification pass)
+  per-position rate    drafts whose i-th token was accepted / drafts
+  TTFT                 request added -> first token (the target's prefill)
+  draft prefill        the draft model's pass over the prompt; timed on its own and excluded from decode
+                       time (it belongs to the prefill phase, as in vLLM); end-to-end latency includes it
+"""
+from __future__ import annotations
+
+import statistics
+from typing import TYPE_CHECKING
+
+from specdecode.spec.metrics import SpecDecodeStats
+
+if TYPE_CHECKING:
+    from specdecode.bench.runner import BenchConfig, PromptRun
+
+OVERALL = "overall"
+
+
+def _aggregate(runs: list["PromptRun"], cfg: "BenchConfig", model_mb: float | None) -> dict:
+    dec_tokens = sum(max(0, r.num_output_tokens - 1) for r in runs)
+    dec_time = sum(r.decode_time_s for r in runs)
+    spec = SpecDecodeStats()
+    for r in runs:
+        spec.merge(r.spec)
+    ttfts = [r.ttft_s for r in runs]
+    mism = [r for r in runs if r.match_baseline is False]
+    speculative = cfg.method is not None
+    return {
+        "config": cfg.name, "method": cfg.method or "none", "k": cfg.k,
+        "num_prompts": len(runs),
+        "output_tokens": sum(r.num_output_tokens for r in runs),
+        "decode_tokens": dec_tokens,
+        "decode_time_s": dec_time,
+        "decode_tokens_per_s": dec_tokens / dec_time if dec_time > 0 else None,
+        "speedup": None,  # filled in against the baseline
+        "acceptance_rate": spec.acceptance_rate if speculative else None,
+        "mean_acceptance_length": spec.mean_acceptance_length if speculative else None,
+        "per_position_acceptance": spec.per_position_acceptance_rate if speculative else [],
+        "num_drafts": spec.num_drafts,
+        "num_draft_tokens": spec.num_draft_tokens,
+        "num_accepted_tokens": spec.num_accepted_tokens,
+        "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
+        "ttft_median_s": statistics.median(ttfts) if ttfts else None,
+        "draft_prefill_mean_s": statistics.fmean(r.draft_prefill_s for r in runs) if runs else None,
+        "e2e_latency_mean_s": statistics.fmean(r.e2e_s for r in runs) if runs else None,
+        "inter_token_latency_ms": 1000 * dec_time / dec_tokens if dec_tokens else None,
+        "peak_rss_mb": max((r.peak_rss_mb for r in runs), default=None),
+        "model_memory_mb": model_mb,
+        "greedy_mismatches": len(mism),
+        "outputs_identical": not mism,
+        "first_diff_position": min((r.first_diff_position for r in mism), default=None),
+        "mismatched_prompts": [{"prompt_id": r.prompt_id, "category": r.category,
+                                "first_diff_position": r.first_diff_position} for r in mism],
+    }
+
+
+def _with_speedup(group: dict[str, dict]) -> dict[str, dict]:
+    base = group.get("baseline", {}).get("decode_tokens_per_s")
+    for m in group.values():
+        v = m["decode_tokens_per_s"]
+        m["speedup"] = v / base if (v is not None and base) else None
+    return group
+
+
+def summarize(runs: list["PromptRun"], configs: list["BenchConfig"], categories: list[str], meta: dict,
+              model_mb: dict | None = None) -> dict:
+    """The full result: meta, configs, overall and per-category metrics per config, and every run."""
+    model_mb = model_mb or {}
+    used_cats = [c for c in categories if any(r.category == c for r in runs)]
+
+    def group(rs: list) -> dict[str, dict]:
+        return _with_speedup({c.name: _aggregate([r for r in rs if r.config == c.name], c, model_mb.get(c.method))
+                              for c in configs})
+
+    return {
+        "meta": meta,
+        "configs": [{"name": c.name, "method": c.method or "none", "k": c.k} for c in configs],
+        "categories": used_cats,
+        "overall": group(runs),
+        "per_category": {cat: group([r for r in runs if r.category == cat]) for cat in used_cats},
+        "runs": [r.as_dict() for r in runs],
+    }
+
+
+# ---- terminal tables ----
+def _fmt(v, spec: str = ".2f", none: str = "-") -> str:
+    return none if v is None else format(v, spec)
+
+
+def _table(headers: list[str], rows: list[list[str]], right: set[int] | None = None) -> str:
+    right = right if right is not None else set(range(1, len(headers)))
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+
+    def line(cells):
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    out = [line(headers), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in rows]
+    return "\n".join(out)
+
+
+def _match(m: dict, greedy: bool) -> str:
+    if m["config"] == "baseline":
+        return "ref"
+    if m["greedy_mismatches"] == 0:
+        return "identical" if greedy else "same"
+    return f"{m['greedy_mismatches']} differ (pos {m['first_diff_position']})"
+
+
+def _row(label: str, m: dict, greedy: bool) -> list[str]:
+    return [label, m["config"], str(m["num_prompts"]), _fmt(m["decode_tokens_per_s"]),
+            _fmt(m["speedup"], ".2f") + ("x" if m["speedup"] is not None else ""),
+            _fmt(None if m["acceptance_rate"] is None else 100 * m["acceptance_rate"], ".1f"),
+            _fmt(m["mean_acceptance_length"]),
+            _fmt(None if m["ttft_mean_s"] is None else 1000 * m["ttft_mean_s"], ".0f"),
+            _fmt(m["peak_rss_mb"], ".0f"), _fmt(m["model_memory_mb"], ".0f"), _match(m, greedy)]
+
+
+_HEADERS = ["category", "config", "n", "decode tok/s", "speedup", "accept %", "mean len", "TTFT ms",
+            "peak RSS MB", "model MB", "greedy vs baseline"]
+
+
+def format_report(result: dict) -> str:
+    meta = result["meta"]
+    greedy = meta.get("greedy", True)
+    parts = []
+    rows = []
+    for cat in result["categories"]:
+        for m in result["per_category"][cat].values():
+            rows.append(_row(cat, m, greedy))
+    if len(result["categories"]) > 1:
+        parts.append("Per category\n" + _table(_HEADERS, rows, right=set(range(2, 10))))
+    rows = []
+    for m in result["overall"].values():
+        rows.append(_row(OVERALL, m, greedy))
+    parts.append("Overall\n" + _table(_HEADERS, rows, right=set(range(2, 10))))
+    spec_cfgs = [m for m in result["overall"].values() if m["per_position_acceptance"]]
+    if spec_cfgs:
+        kmax = max(len(m["per_position_acceptance"]) for m in spec_cfgs)
+        pr = [[m["config"]] + [_fmt(100 * m["per_position_acceptance"][i], ".0f") + "%"
+                               if i < len(m["per_position_acceptance"]) else "" for i in range(kmax)]
+              for m in spec_cfgs]
+        parts.append("Acceptance per draft position (accepted at position i / drafts)\n"
+                     + _table(["config"] + [f"pos {i + 1}" for i in range(kmax)], pr))
+    head = (f"target: {meta.get('target')}   draft: {meta.get('draft') or '-'}\n"
+            f"dataset: {meta.get('dataset')} ({meta.get('dataset_format')}, {meta.get('num_prompts_used')} prompts)"
+            f"   max_tokens: {meta.get('max_tokens')}   "
+            + ("greedy" if greedy else f"temperature {meta.get('temperature')}")
+            + f"   threads: {meta.get('threads')}   load: {_fmt(meta.get('load_time_s'), '.1f')} s")
+    return head + "\n\n" + "\n\n".join(parts)
+
+
+def format_verify_cost(rows: list[dict], prefill_len: int) -> str:
+    table = _table(["query tokens", "median ms", "min ms", "relative to 1", "ms / token"],
+                   [[str(r["tokens"]), _fmt(r["ms_median"]), _fmt(r["ms_min"]), _fmt(r["relative"], ".2f") + "x",
+                     _fmt(r["ms_median"] / r["tokens"])] for r in rows])
+    return f"Target forward-pass cost after a {prefill_len}-token prefill\n" + table

@@ -1,0 +1,422 @@
+"""Runs the baseline and speculative configs over a prompt set, interleaved, on one loaded engine.
+
+Engine sharing: the target model (and the draft model, when any config uses one) is loaded exactly once.
+Before each generation the runner switches ``engine.proposer`` and ``engine.config.speculative`` to the
+config being measured: ``None`` for the baseline, an ``NgramProposer`` for n-gram configs, and the engine's
+own ``DraftModelProposer`` for draft configs, with k set per config. Proposers keep no state across requests
+(a request's draft-cache length lives on the request), so switching between requests is safe, and every config
+runs on the very same target weights, KV cache and threads, which is what a fair speedup needs.
+
+Interleaving: for each prompt, every config runs once before the next prompt starts, and the order of configs
+rotates from prompt to prompt, so slow drifts of the machine (thermal, other load) hit all configs alike.
+Before measuring, each config makes one warm-up generation that is not counted.
+
+Timing: TTFT runs from adding the request to its first token (the target's prefill). Decode time runs from
+the first token to the last, minus the draft model's own pass over the prompt, which this engine does lazily
+in the first decode step; it is timed separately (``draft_prefill_s``) because it belongs to the prefill
+phase (vLLM runs it in the prefill step). End-to-end latency includes everything.
+
+Memory: all configs share one process, so RSS cannot be split between them exactly. Per config we report the
+peak RSS sampled after every engine step while that config ran (``peak_rss_mb``; process-wide, so it includes
+models other configs loaded) and the bytes of weights and KV cache of the models that config actually uses
+(``model_memory_mb``: the target alone for baseline and n-gram, target + draft for draft configs).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+from specdecode.bench.datasets import Dataset
+from specdecode.spec.metrics import SpecDecodeStats
+
+logger = logging.getLogger("specdecode")
+
+METHODS = ("ngram", "draft")
+
+MEMORY_NOTE = ("peak_rss_mb: process RSS (psutil) sampled after every engine step while the config ran; all "
+               "configs share one process and one loaded target, so it includes every loaded model. "
+               "model_memory_mb: weights + KV cache of the models the config uses (target, plus draft for "
+               "draft configs).")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    method: str | None  # None (baseline), "ngram" or "draft"
+    k: int = 0
+
+
+def make_configs(methods: list[str], ks: list[int]) -> list[BenchConfig]:
+    """Baseline first, then each method x k."""
+    configs = [BenchConfig("baseline", None, 0)]
+    for m in methods:
+        for k in ks:
+            configs.append(BenchConfig(f"{m} k={k}", m, k))
+    return configs
+
+
+@dataclass
+class BenchSettings:
+    model: str | None = None          # None: the default target
+    draft_model: str | None = None    # None: the default draft (only used if a config needs a draft)
+    methods: list[str] = field(default_factory=lambda: ["ngram", "draft"])
+    ks: list[int] = field(default_factory=lambda: [2, 4])
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int = 0
+    ignore_eos: bool = False
+    chat_template: str = "auto"       # "auto" (when the tokenizer has one), "on", "off"
+    ngram_min: int = 1
+    ngram_max: int = 4
+    dtype: str = "auto"
+    quantization: str | None = None
+    num_threads: int | None = None
+    max_model_len: int | None = None
+    warmup: bool = True
+    progress: bool = True
+    adaptive: bool = False            # engine-chosen k per step, up to each config's k
+
+
+@dataclass
+class PromptRun:
+    prompt_id: str
+    category: str
+    config: str
+    prompt_tokens: int
+    output_token_ids: list[int]
+    ttft_s: float
+    decode_time_s: float
+    e2e_s: float
+    finish_reason: str | None
+    spec: SpecDecodeStats
+    peak_rss_mb: float
+    draft_prefill_s: float = 0.0
+    match_baseline: bool | None = None
+    first_diff_position: int | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def as_dict(self) -> dict:
+        n = self.num_output_tokens
+        return {"prompt_id": self.prompt_id, "category": self.category, "config": self.config,
+                "prompt_tokens": self.prompt_tokens, "output_tokens": n, "finish_reason": self.finish_reason,
+                "ttft_s": self.ttft_s, "draft_prefill_s": self.draft_prefill_s, "decode_time_s": self.decode_time_s,
+                "e2e_latency_s": self.e2e_s,
+                "decode_tokens_per_s": (n - 1) / self.decode_time_s if n > 1 and self.decode_time_s > 0 else None,
+                "peak_rss_mb": self.peak_rss_mb, "match_baseline": self.match_baseline,
+                "first_diff_position": self.first_diff_position, "spec_decode": self.spec.as_dict(),
+                "output_token_ids": self.output_token_ids}
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing output token, or None if the sequences are identical."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _rss_mb() -> float:
+    try:
+        import psutil
+        return psutil.Process().memory_info().rss / 2**20
+    except Exception:  # psutil missing or /proc unavailable: fall back to the lifetime peak
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _max_rss_mb() -> float:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def module_bytes(module) -> int:
+    """Bytes of all tensors a module holds: parameters, buffers and tensor attributes (KV caches, packed
+    quantized weights), each storage counted once."""
+    import torch
+
+    def held(obj) -> list:
+        """Tensors an attribute value holds directly, or one level down (e.g. a packed-weight object)."""
+        if isinstance(obj, torch.Tensor):
+            return [obj]
+        if isinstance(obj, dict):
+            return [v for v in obj.values() if isinstance(v, torch.Tensor)]
+        if isinstance(obj, (torch.nn.Module, str, bytes, int, float, type(None))):
+            return []
+        attrs = list(getattr(obj, "__dict__", {}).values())
+        for slot in getattr(type(obj), "__slots__", ()):
+            attrs.append(getattr(obj, slot, None))
+        out = []
+        for a in attrs:
+            if isinstance(a, torch.Tensor):
+                out.append(a)
+            elif isinstance(a, dict):
+                out += [v for v in a.values() if isinstance(v, torch.Tensor)]
+        return out
+
+    seen, total = set(), 0
+    for m in module.modules():
+        tensors = list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))
+        for v in vars(m).values():
+            tensors += held(v)
+        for t in tensors:
+            if t.device.type == "meta":
+                continue
+            key = (t.untyped_storage().data_ptr(), t.device.type)
+            if key in seen:
+                continue
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+class DraftPrefillTimer:
+    """Wraps a draft-model proposer so that the draft's prefill of a new request is timed on its own.
+
+    The engine prefills the draft lazily, inside the first propose() of a request, so that work would land
+    in the decode phase. Here the prompt (all but the newest token) goes through the draft first, timed, and
+    the inner proposer then only catches up on the newest token. The result is the same draft cache; the
+    time is reported as ``draft_prefill_s`` and excluded from decode time (vLLM prefills the draft with the
+    target, in the prefill step)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.elapsed = 0.0
+
+    def propose(self, requests: list, ks: list[int]):
+        runner = getattr(self.inner, "runner", None)
+        for r, k in zip(requests, ks):
+            if k > 0 and runner is not None and getattr(r, "draft_computed", None) == 0 and len(r.all_token_ids) > 1:
+                t0 = time.perf_counter()
+                runner.prefill(r.slot, r.all_token_ids[:-1])
+                r.draft_computed = len(r.all_token_ids) - 1
+                self.elapsed += time.perf_counter() - t0
+        return self.inner.propose(requests, ks)
+
+    def rollback(self, request, valid_len: int) -> None:
+        self.inner.rollback(request, valid_len)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class BenchRunner:
+    def __init__(self, settings: BenchSettings):
+        self.s = settings
+        self.configs = make_configs(settings.methods, settings.ks)
+        self.engine = None
+        self.use_chat = False
+        self._counter = 0
+        self._proposers: dict[str | None, object] = {}
+        self._spec: dict[str, object] = {}
+        self._model_mb: dict[str | None, float] = {}
+        self.draft_path = None
+
+    # ---- setup ----
+    def load(self) -> None:
+        from specdecode.engine.llm_engine import LLMEngine
+        from specdecode.spec.ngram import NgramProposer
+
+        s = self.s
+        need_draft = "draft" in s.methods
+        kw = dict(model=s.model, max_num_seqs=1, dtype=s.dtype, quantization=s.quantization, seed=s.seed,
+                  num_threads=s.num_threads, max_model_len=s.max_model_len)
+        kmax = max(s.ks) if s.ks else 1
+        if need_draft:
+            kw.update(speculative_model=s.draft_model or "default", num_speculative_tokens=kmax)
+        elif "ngram" in s.methods:
+            kw.update(speculative_model="[ngram]", num_speculative_tokens=kmax,
+                      ngram_prompt_lookup_min=s.ngram_min, ngram_prompt_lookup_max=s.ngram_max)
+        eng = self.engine = LLMEngine.from_kwargs(**kw)
+        target_mb = module_bytes(eng.target.model) / 2**20
+        self._proposers = {None: None, "ngram": NgramProposer(s.ngram_min, s.ngram_max)}
+        self._model_mb = {None: target_mb, "ngram": target_mb}
+        if need_draft:
+            self._proposers["draft"] = DraftPrefillTimer(eng.proposer)
+            self.draft_path = getattr(eng, "draft_path", None)
+            runner = getattr(eng.proposer, "runner", None)
+            self._model_mb["draft"] = target_mb + (module_bytes(runner.model) / 2**20 if runner else 0.0)
+        from specdecode.config import SpeculativeConfig
+        base = eng.config.speculative
+        for c in self.configs:
+            if c.method == "ngram":
+                self._spec[c.name] = SpeculativeConfig(method="ngram", num_speculative_tokens=c.k,
+                                                       prompt_lookup_min=s.ngram_min, prompt_lookup_max=s.ngram_max,
+                                                       adaptive=s.adaptive)
+            elif c.method == "draft":
+                self._spec[c.name] = dataclasses.replace(base, num_speculative_tokens=c.k, adaptive=s.adaptive)
+        has_template = bool(getattr(eng.tokenizer, "chat_template", None))
+        if s.chat_template == "on" and not has_template:
+            raise ValueError("--chat-template on: this model's tokenizer has no chat template")
+        self.use_chat = has_template if s.chat_template == "auto" else s.chat_template == "on"
+
+    def _activate(self, cfg: BenchConfig) -> None:
+        self.engine.proposer = self._proposers[cfg.method]
+        self.engine.config.speculative = self._spec.get(cfg.name)
+
+    def encode(self, text: str) -> list[int]:
+        from specdecode.tokenizer import apply_chat_template
+
+        if self.use_chat:
+            text = apply_chat_template(self.engine.tokenizer, [{"role": "user", "content": text}])
+        return self.engine.encode_prompt(text)
+
+    def _params(self, index: int, max_tokens: int):
+        from specdecode.sampling_params import SamplingParams
+
+        s = self.s
+        return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=max_tokens,
+                              seed=None if s.temperature == 0 else s.seed + index, ignore_eos=s.ignore_eos)
+
+    # ---- one generation ----
+    def generate(self, cfg: BenchConfig, ids: list[int], params, prompt_id: str = "", category: str = "") -> PromptRun:
+        self._activate(cfg)
+        eng = self.engine
+        rid = f"bench-{self._counter}"
+        self._counter += 1
+        peak = _rss_mb()
+        timer = eng.proposer if isinstance(eng.proposer, DraftPrefillTimer) else None
+        if timer is not None:
+            timer.elapsed = 0.0
+        t0 = time.perf_counter()
+        eng.add_request(rid, None, params, prompt_token_ids=ids)
+        t_first = t_end = None
+        final = None
+        while final is None:
+            outs = eng.step()
+            now = time.perf_counter()
+            peak = max(peak, _rss_mb())
+            for o in outs:
+                if o.request_id != rid:
+                    continue
+                if t_first is None and o.outputs[0].token_ids:
+                    t_first = now
+                if o.finished:
+                    final, t_end = o, now
+            if final is None and not eng.has_unfinished_requests():
+                raise RuntimeError("the engine stopped without finishing the benchmark request")
+        if t_first is None:
+            t_first = t_end
+        c = final.outputs[0]
+        spec = final.metrics.spec_decode if final.metrics is not None else SpecDecodeStats()
+        draft_prefill = timer.elapsed if timer is not None else 0.0
+        return PromptRun(prompt_id, category, cfg.name, len(ids), list(c.token_ids), t_first - t0,
+                         max(0.0, t_end - t_first - draft_prefill), t_end - t0, c.finish_reason, spec, peak,
+                         draft_prefill_s=draft_prefill)
+
+    # ---- the whole run ----
+    def run(self, dataset: Dataset) -> dict:
+        from tqdm import tqdm
+
+        from specdecode.bench.report import summarize
+
+        if self.engine is None:
+            self.load()
+        s = self.s
+        prepared, skipped = [], []
+        for p in dataset.prompts:
+            try:
+                prepared.append((p, self.encode(p.text)))
+            except ValueError as e:
+                skipped.append({"prompt_id": p.id, "category": p.category, "reason": str(e)})
+        if skipped:
+            logger.warning("skipped %d prompt(s) that do not fit: %s", len(skipped), skipped[0]["reason"])
+        if not prepared:
+            raise ValueError("no prompt of the dataset fits the model's context; raise --max-model-len")
+        t_start = time.perf_counter()
+        if s.warmup:
+            _, short = min(prepared, key=lambda x: len(x[1]))
+            for cfg in self.configs:
+                self.generate(cfg, short, self._params(0, min(s.max_tokens, 16)))
+        runs: list[PromptRun] = []
+        n_cfg = len(self.configs)
+        with tqdm(total=len(prepared), desc="bench", unit="prompt", file=sys.stderr, disable=not s.progress,
+                  dynamic_ncols=True) as bar:
+            for i, (p, ids) in enumerate(prepared):
+                order = [self.configs[(i + j) % n_cfg] for j in range(n_cfg)]  # rotate the order per prompt
+                by_cfg = {}
+                for cfg in order:
+                    bar.set_postfix_str(f"{p.category} / {cfg.name}", refresh=False)
+                    by_cfg[cfg.name] = self.generate(cfg, ids, self._params(i, s.max_tokens), p.id, p.category)
+                base = by_cfg["baseline"]
+                for cfg in self.configs:
+                    r = by_cfg[cfg.name]
+                    r.first_diff_position = first_difference(r.output_token_ids, base.output_token_ids)
+                    r.match_baseline = r.first_diff_position is None
+                    runs.append(r)
+                bar.update(1)
+        wall = time.perf_counter() - t_start
+        self._activate(self.configs[-1])
+        meta = self._meta(dataset, len(prepared), skipped, wall)
+        return summarize(runs, self.configs, dataset.categories, meta, self._model_mb)
+
+    def _meta(self, ds: Dataset, used: int, skipped: list, wall: float) -> dict:
+        import torch
+
+        s, eng = self.s, self.engine
+        return {
+            "target": str(eng.model_path), "draft": str(self.draft_path) if self.draft_path else None,
+            "dataset": ds.name, "dataset_format": ds.format, "dataset_note": ds.note,
+            "num_prompts_used": used, "skipped_prompts": skipped,
+            "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+            "greedy": s.temperature == 0, "seed": s.seed, "ignore_eos": s.ignore_eos, "adaptive_k": s.adaptive,
+            "chat_template": self.use_chat, "ngram_min": s.ngram_min, "ngram_max": s.ngram_max,
+            "dtype": s.dtype, "quantization": s.quantization, "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+            "processor": platform.processor() or None, "load_time_s": eng.load_time, "bench_wall_time_s": wall,
+            "warmup": "one excluded generation per config" if s.warmup else "none",
+            "interleaving": "per prompt, all configs, order rotated each prompt",
+            "engine_sharing": "one engine: target (and draft) loaded once; proposer switched per config",
+            "timing_note": "decode tokens/s = (output tokens - 1) / (last token time - first token time - draft "
+                           "prefill time); TTFT = first token time - request time",
+            "process_peak_rss_mb": _max_rss_mb(), "memory_note": MEMORY_NOTE,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
+
+
+# ---- verification cost ----
+def verify_cost(engine, sizes: list[int], prefill_len: int = 64, repeats: int = 5) -> list[dict]:
+    """Times one target forward pass over n query tokens after a prefill of ``prefill_len`` tokens.
+
+    Returns rows {"tokens", "ms_median", "ms_min", "relative"} where relative is against the first size."""
+    import torch
+
+    tok = engine.tokenizer
+    text = ("def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
+            "Speculative decoding verifies several drafted tokens in a single pass of the target model. ")
+    ids = tok.encode(text)
+    need = prefill_len + max(sizes)
+    while len(ids) < need:
+        ids = ids + ids
+    if need >= engine.max_model_len:
+        raise ValueError(f"--prefill {prefill_len} plus {max(sizes)} query tokens exceed max_model_len "
+                         f"({engine.max_model_len})")
+    runner = engine.target
+    slot = 0
+    rows = []
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    with torch.inference_mode():
+        runner.prefill(slot, ids[:prefill_len])
+        for n in sizes:  # warm-up: first call of each shape
+            runner.forward_rows([(slot, prefill_len, ids[prefill_len:prefill_len + n])], all_logits=True)
+        for _ in range(repeats):  # sizes interleaved within each round, so drift hits all of them alike
+            for n in sizes:
+                q = ids[prefill_len:prefill_len + n]
+                t0 = time.perf_counter()
+                runner.forward_rows([(slot, prefill_len, q)], all_logits=True)
+                times[n].append(time.perf_counter() - t0)
+    for n in sizes:
+        rows.append({"tokens": n, "ms_median": 1000 * statistics.median(times[n]), "ms_min": 1000 * min(times[n])})
+    ref = rows[0]["ms_median"]
+    for r in rows:
+        r["relative"] = r["ms_median"] / ref if ref > 0 else None
+    return rows

@@ -1,0 +1,721 @@
+"""OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+
+One AsyncLLMEngine (one engine thread doing continuous batching) serves every request. Run it with
+``python -m specdecode.entrypoints.openai.api_server --model PATH [--speculative-model DRAFT|[ngram]
+--num-speculative-tokens K ...]`` or ``specdecode serve [MODEL] ...``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specdecode.engine.async_engine import (AsyncLLMEngine, EngineDeadError, EngineStepError, RequestStream,
+                                            default_engine_kwargs)
+from specdecode.engine.llm_engine import LLMEngine
+from specdecode.engine.scheduler import QueueFullError
+from specdecode.entrypoints.openai.metrics import ServerMetrics
+from specdecode.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
+                                                    ChatCompletionResponse, ChatLogprobs, ChatResponseMessage,
+                                                    ChatStreamChoice, CompletionChoice, CompletionChunk,
+                                                    CompletionLogprobs, CompletionRequest, CompletionResponse,
+                                                    DeltaMessage, ModelCard, ModelList, SpecDecodeSummary,
+                                                    TokenLogprob, TopLogprob, UsageInfo)
+from specdecode.outputs import CompletionOutput, RequestOutput
+from specdecode.sampling_params import SamplingParams
+from specdecode.spec.metrics import SpecDecodeStats
+from specdecode.tokenizer import apply_chat_template
+
+logger = logging.getLogger("specdecode.server")
+
+__all__ = ["add_server_args", "run_server", "build_app", "engine_kwargs_from_args"]
+
+
+# ====================================================================== errors
+class APIError(Exception):
+    """Becomes ``{"error": {"message", "type", "param", "code"}}`` with the given HTTP status."""
+
+    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+             405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
+             503: "server_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type_ or self.TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _from_exception(e: BaseException, prompt_param: str = "prompt") -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, QueueFullError):
+        return APIError(503, str(e), code="queue_full")
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), code="engine_unavailable")
+    if isinstance(e, EngineStepError):
+        return APIError(500, str(e), code="internal_error")
+    if isinstance(e, ValueError):
+        msg = str(e)
+        if "max_model_len" in msg:
+            return APIError(400, msg, param=prompt_param, code="context_length_exceeded")
+        return APIError(400, msg, code="invalid_value")
+    logger.exception("Unexpected error while serving a request")
+    return APIError(500, f"Internal server error ({type(e).__name__}: {e}).", code="internal_error")
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errs = exc.errors()
+    if any(err.get("type") == "json_invalid" for err in errs):
+        err = next(err for err in errs if err.get("type") == "json_invalid")
+        detail = (err.get("ctx") or {}).get("error", "")
+        return APIError(400, f"The request body is not valid JSON ({detail}).".replace(" ()", ""),
+                        code="invalid_json")
+    parts, param = [], None
+    for err in errs[:5]:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        # union members show up as extra loc entries such as 'str' or 'list[int]'; keep the field path only
+        field = ".".join(x for x in loc if not any(c in x for c in "[]") and x not in ("str", "int", "float"))
+        param = param or (field or None)
+        parts.append(f"{field or 'body'}: {err.get('msg', 'invalid value')}")
+    return APIError(400, "Invalid request: " + "; ".join(parts), param=param, code="invalid_value")
+
+
+# ====================================================================== helpers
+def _spec_summary(stats: list[SpecDecodeStats]) -> SpecDecodeSummary:
+    drafts = sum(s.num_drafts for s in stats)
+    drafted = sum(s.num_draft_tokens for s in stats)
+    accepted = sum(s.num_accepted_tokens for s in stats)
+    return SpecDecodeSummary(drafts=drafts, drafted=drafted, accepted=accepted,
+                             acceptance_rate=round(accepted / drafted, 6) if drafted else 0.0)
+
+
+def _usage(outs: list[RequestOutput]) -> UsageInfo:
+    p = sum(len(o.prompt_token_ids) for o in outs)
+    c = sum(len(x.token_ids) for o in outs for x in o.outputs)
+    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+
+def _spec_of(outs: list[RequestOutput]) -> SpecDecodeSummary:
+    return _spec_summary([o.metrics.spec_decode for o in outs if o.metrics is not None])
+
+
+class _Choice:
+    """What has been sent of one choice in a stream."""
+    __slots__ = ("index", "text", "tokens", "done", "offset")
+
+    def __init__(self, index: int):
+        self.index = index
+        self.text = 0      # characters of text sent
+        self.tokens = 0    # tokens (and logprob entries) sent
+        self.done = False
+        self.offset = 0    # text_offset of the next completion logprob entry
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleaves several request streams as (stream index, output)."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                q.put_nowait((i, out, None))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            q.put_nowait((i, None, e))
+        else:
+            q.put_nowait((i, None, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, out, err = await q.get()
+            if err is not None:
+                raise err
+            if out is None:
+                remaining -= 1
+                continue
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client has gone away (the body has already been read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+        await asyncio.sleep(0.05)
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _chunk_dict(model) -> dict:
+    d = model.model_dump(exclude_none=True)
+    for c in d.get("choices", []):
+        c.setdefault("logprobs", None)
+        c.setdefault("finish_reason", None)
+    return d
+
+
+class _ClientGone(Exception):
+    pass
+
+
+# ====================================================================== server state
+class OpenAIServer:
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], api_key: str | None,
+                 metrics: ServerMetrics, model_path: str | None = None):
+        self.engine = engine
+        self.names = served_model_names
+        self.api_key = api_key
+        self.metrics = metrics
+        self.model_path = model_path
+        self.tokenizer = engine.tokenizer
+        self.accepted_models = set(served_model_names) | ({model_path} if model_path else set())
+        self.token_str = functools.lru_cache(maxsize=65536)(self._token_str)
+
+    # ---- request checks ----
+    def check_model(self, name: str | None) -> str:
+        if name is None or name in self.accepted_models:
+            return self.names[0]
+        raise APIError(404, f"The model `{name}` does not exist. This server serves {self.names}.",
+                       param="model", code="model_not_found")
+
+    def _token_str(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # ---- running requests ----
+    async def start(self, base_id: str, prompts: list[tuple[str | None, list[int] | None]],
+                    params: SamplingParams, prompt_param: str) -> list[RequestStream]:
+        streams: list[RequestStream] = []
+        try:
+            for i, (text, ids) in enumerate(prompts):
+                rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+                streams.append(await self.engine.add_request(rid, text, params, prompt_token_ids=ids))
+        except BaseException as e:
+            for s in streams:
+                s.close()
+            if isinstance(e, Exception):
+                raise _from_exception(e, prompt_param) from None
+            raise
+        return streams
+
+    async def collect(self, streams: list[RequestStream], request: Request) -> list[RequestOutput]:
+        """Final outputs of all streams; aborts them all if the client disconnects first."""
+        async def last(s: RequestStream) -> RequestOutput:
+            out = None
+            async for out in s:
+                pass
+            return out
+
+        work = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
+        work.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "exception not retrieved"
+        watch = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if work.done():
+                return work.result()
+            work.cancel()
+            raise _ClientGone()
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+            for s in streams:
+                s.close()
+
+    # ---- logprobs ----
+    def completion_logprobs(self, c: CompletionOutput, start: int, end: int, offset: int) -> CompletionLogprobs:
+        lp = CompletionLogprobs()
+        for t, d in zip(c.token_ids[start:end], (c.logprobs or [])[start:end]):
+            s = self.token_str(t)
+            lp.tokens.append(s)
+            lp.token_logprobs.append(d.get(t))
+            top: dict[str, float] = {}
+            for k, v in sorted(d.items(), key=lambda kv: -kv[1]):
+                top.setdefault(self.token_str(k), v)
+            lp.top_logprobs.append(top)
+            lp.text_offset.append(offset)
+            offset += len(s)
+        return lp
+
+    def chat_logprobs(self, c: CompletionOutput, start: int, end: int, top_n: int) -> ChatLogprobs:
+        content = []
+        for t, d in zip(c.token_ids[start:end], (c.logprobs or [])[start:end]):
+            s = self.token_str(t)
+            tops = [TopLogprob(token=self.token_str(k), logprob=v, bytes=list(self.token_str(k).encode()))
+                    for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top_n]]
+            content.append(TokenLogprob(token=s, logprob=d.get(t, float("-inf")), bytes=list(s.encode()),
+                                        top_logprobs=tops))
+        return ChatLogprobs(content=content)
+
+    # ---- completions ----
+    def completion_response(self, rid: str, model: str, body: CompletionRequest, echoes: list[str],
+                            outs: list[RequestOutput]) -> dict:
+        choices = []
+        n = body.n
+        for p, out in enumerate(outs):
+            for c in out.outputs:
+                prefix = echoes[p] if body.echo else ""
+                lp = (self.completion_logprobs(c, 0, len(c.token_ids), len(prefix))
+                      if body.logprobs is not None else None)
+                choices.append(CompletionChoice(index=p * n + c.index, text=prefix + c.text, logprobs=lp,
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        resp = CompletionResponse(id=rid, model=model, choices=choices, usage=_usage(outs), spec_decode=_spec_of(outs))
+        return resp.model_dump()
+
+    async def stream_completion(self, rid: str, model: str, body: CompletionRequest, params: SamplingParams,
+                                echoes: list[str], streams: list[RequestStream]) -> AsyncIterator[str]:
+        created = int(time.time())
+        n = body.n
+        choices = {(p, i): _Choice(p * n + i) for p in range(len(streams)) for i in range(n)}
+        hold = max((len(s) for s in params.stop), default=1) - 1
+        finals: dict[int, RequestOutput] = {}
+
+        def chunk(cs: list[CompletionChoice], **extra) -> str:
+            return _sse(_chunk_dict(CompletionChunk(id=rid, created=created, model=model, choices=cs, **extra)))
+
+        try:
+            if body.echo:
+                yield chunk([CompletionChoice(index=ch.index, text=echoes[p]) for (p, _), ch in choices.items()])
+            async for p, out in _merge(streams):
+                if out.finished:
+                    finals[p] = out
+                last = len(finals) == len(streams)
+                cs = []
+                for c in out.outputs:
+                    ch = choices[(p, c.index)]
+                    if ch.done:
+                        continue
+                    delta, ntok = self._delta(ch, c, hold)
+                    finished = c.finish_reason is not None
+                    if not delta and not finished and (body.logprobs is None or ntok == ch.tokens):
+                        continue
+                    lp = None
+                    if body.logprobs is not None:
+                        lp = self.completion_logprobs(c, ch.tokens, ntok, ch.offset)
+                        ch.offset += sum(len(s) for s in lp.tokens)
+                    ch.tokens = ntok
+                    ch.done = finished
+                    cs.append(CompletionChoice(index=ch.index, text=delta, logprobs=lp,
+                                               finish_reason=c.finish_reason if finished else None,
+                                               stop_reason=c.stop_reason if finished else None))
+                if last and not body.include_usage:
+                    all_outs = [finals[i] for i in range(len(streams))]
+                    yield chunk(cs, usage=_usage(all_outs), spec_decode=_spec_of(all_outs))
+                elif cs:
+                    yield chunk(cs)
+            if body.include_usage:
+                all_outs = [finals[i] for i in range(len(streams))]
+                yield chunk([], usage=_usage(all_outs), spec_decode=_spec_of(all_outs))
+        except Exception as e:  # noqa: BLE001 - reported in-band: the status line is already sent
+            err = _from_exception(e)
+            self.metrics.on_http_error(err.status)
+            yield _sse(err.body())
+        finally:
+            for s in streams:
+                s.close()
+        yield "data: [DONE]\n\n"
+
+    @staticmethod
+    def _delta(ch: _Choice, c: CompletionOutput, hold: int) -> tuple[str, int]:
+        """New text to send (holding back what could still turn into a stop string) and the token count."""
+        text = c.text
+        end = len(text) if c.finish_reason is not None else max(ch.text, len(text) - hold)
+        delta = text[ch.text:end]
+        ch.text = max(ch.text, end)
+        return delta, len(c.token_ids)
+
+    # ---- chat ----
+    def chat_prompt(self, body: ChatCompletionRequest) -> str:
+        try:
+            messages = [m.as_template_dict() for m in body.messages]
+            return apply_chat_template(self.tokenizer, messages, body.add_generation_prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages", code="invalid_value") from None
+        except Exception as e:  # jinja errors from a template that rejects the conversation
+            raise APIError(400, f"The chat template could not render these messages: {e}", param="messages",
+                           code="invalid_value") from None
+
+    def chat_response(self, rid: str, model: str, body: ChatCompletionRequest, out: RequestOutput) -> dict:
+        choices = []
+        for c in out.outputs:
+            lp = self.chat_logprobs(c, 0, len(c.token_ids), body.top_logprobs or 0) if body.logprobs else None
+            choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text), logprobs=lp,
+                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        resp = ChatCompletionResponse(id=rid, model=model, choices=choices, usage=_usage([out]),
+                                      spec_decode=_spec_of([out]))
+        return resp.model_dump()
+
+    async def stream_chat(self, rid: str, model: str, body: ChatCompletionRequest, params: SamplingParams,
+                          stream: RequestStream) -> AsyncIterator[str]:
+        created = int(time.time())
+        choices = {i: _Choice(i) for i in range(body.n)}
+        hold = max((len(s) for s in params.stop), default=1) - 1
+        top_n = body.top_logprobs or 0
+
+        def chunk(cs: list[ChatStreamChoice], **extra) -> str:
+            return _sse(_chunk_dict(ChatCompletionChunk(id=rid, created=created, model=model, choices=cs,
+                                                        **extra)))
+
+        try:
+            for i in range(body.n):
+                yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+            final = None
+            async for out in stream:
+                if out.finished:
+                    final = out
+                cs = []
+                for c in out.outputs:
+                    ch = choices[c.index]
+                    if ch.done:
+                        continue
+                    delta, ntok = self._delta(ch, c, hold)
+                    finished = c.finish_reason is not None
+                    if not delta and not finished and (not body.logprobs or ntok == ch.tokens):
+                        continue
+                    lp = self.chat_logprobs(c, ch.tokens, ntok, top_n) if body.logprobs else None
+                    ch.tokens = ntok
+                    ch.done = finished
+                    cs.append(ChatStreamChoice(index=ch.index, delta=DeltaMessage(content=delta or None),
+                                               logprobs=lp, finish_reason=c.finish_reason if finished else None,
+                                               stop_reason=c.stop_reason if finished else None))
+                if final is not None and not body.include_usage:
+                    yield chunk(cs, usage=_usage([final]), spec_decode=_spec_of([final]))
+                elif cs:
+                    yield chunk(cs)
+            if body.include_usage and final is not None:
+                yield chunk([], usage=_usage([final]), spec_decode=_spec_of([final]))
+        except Exception as e:  # noqa: BLE001
+            err = _from_exception(e)
+            self.metrics.on_http_error(err.status)
+            yield _sse(err.body())
+        finally:
+            stream.close()
+        yield "data: [DONE]\n\n"
+
+
+# ====================================================================== app
+class _AuthMiddleware:
+    """Plain ASGI middleware: /v1/* needs ``Authorization: Bearer <api key>`` when a key is configured.
+
+    (Checked before the body is parsed, so a bad key is a 401 whatever the body holds.)"""
+
+    def __init__(self, app, api_key: str, on_reject):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.on_reject = on_reject
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope.get("path", "").startswith("/v1") and scope.get("method") != "OPTIONS":
+            auth = dict(scope.get("headers") or []).get(b"authorization")
+            if auth != self.expected:
+                self.on_reject(401)
+                err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                               code="invalid_api_key")
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _normalise_prompts(prompt: Any) -> list[tuple[str | None, list[int] | None]]:
+    if isinstance(prompt, str):
+        return [(prompt, None)]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty.", param="prompt", code="invalid_value")
+    if all(isinstance(x, int) for x in prompt):
+        return [(None, list(prompt))]
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            out.append((p, None))
+        elif isinstance(p, list) and p:
+            out.append((None, list(p)))
+        else:
+            raise APIError(400, "prompt entries must be strings or non-empty lists of token ids.", param="prompt",
+                           code="invalid_value")
+    return out
+
+
+def build_app(engine_kwargs: dict | None = None, served_model_name: str | list[str] | None = None,
+              api_key: str | None = None, *, engine: AsyncLLMEngine | LLMEngine | None = None) -> FastAPI:
+    """The FastAPI app. Loads the engine now (ValueError for bad settings) unless one is passed in."""
+    if engine is None:
+        engine = AsyncLLMEngine.from_kwargs(**(engine_kwargs or {}))
+    elif isinstance(engine, LLMEngine):
+        engine = AsyncLLMEngine(engine)
+    kw = engine_kwargs or {}
+    model_path = kw.get("model") or str(getattr(engine.engine, "model_path", "") or "") or None
+    if isinstance(served_model_name, str):
+        names = [served_model_name]
+    elif served_model_name:
+        names = list(served_model_name)
+    else:
+        default_path = getattr(engine.engine, "model_path", None)
+        names = [kw.get("model") or (os.path.basename(str(default_path)) if default_path else "specdecode")]
+    metrics = ServerMetrics(names[0])
+    engine.step_callback = metrics.on_step
+    engine.error_callback = metrics.on_engine_error
+    srv = OpenAIServer(engine, names, api_key, metrics, model_path)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="specdecode OpenAI-compatible server", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = srv
+    app.state.engine = engine
+    if api_key:
+        app.add_middleware(_AuthMiddleware, api_key=api_key, on_reject=metrics.on_http_error)
+
+    def error_response(err: APIError) -> JSONResponse:
+        metrics.on_http_error(err.status)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError):
+        return error_response(_validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return error_response(APIError(exc.status_code, str(exc.detail), code=code))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):
+        return error_response(_from_exception(exc))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            return error_response(APIError(503, "The engine loop is not running.", code="engine_unavailable"))
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        cards = [ModelCard(id=name, root=model_path, max_model_len=engine.max_model_len) for name in names]
+        return ModelList(data=cards).model_dump()
+
+    def params_of(body) -> SamplingParams:
+        try:
+            return body.to_sampling_params()
+        except ValueError as e:
+            msg = str(e).replace("Invalid SamplingParams: ", "")
+            param = msg.split(" ", 1)[0] if msg.split(" ", 1)[0].isidentifier() else None
+            raise APIError(400, msg, param=param, code="invalid_value") from None
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        model = srv.check_model(body.model)
+        params = params_of(body)
+        prompts = _normalise_prompts(body.prompt)
+        echoes = [text if text is not None else srv.tokenizer.decode(ids) for text, ids in prompts] \
+            if body.echo else [""] * len(prompts)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        streams = await srv.start(rid, prompts, params, "prompt")
+        if body.stream:
+            return StreamingResponse(srv.stream_completion(rid, model, body, params, echoes, streams),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            outs = await srv.collect(streams, request)
+        except _ClientGone:
+            return Response(status_code=499)
+        except Exception as e:
+            raise _from_exception(e) from None
+        return JSONResponse(srv.completion_response(rid, model, body, echoes, outs))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        model = srv.check_model(body.model)
+        params = params_of(body)
+        prompt = srv.chat_prompt(body)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        (stream,) = await srv.start(rid, [(prompt, None)], params, "messages")
+        if body.stream:
+            return StreamingResponse(srv.stream_chat(rid, model, body, params, stream),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            (out,) = await srv.collect([stream], request)
+        except _ClientGone:
+            return Response(status_code=499)
+        except Exception as e:
+            raise _from_exception(e) from None
+        return JSONResponse(srv.chat_response(rid, model, body, out))
+
+    return app
+
+
+# ====================================================================== command line
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """The server's flags, under vLLM's names (the model itself is added by the caller)."""
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", metavar="HOST",
+                   help="Interface to bind (default 127.0.0.1; 0.0.0.0 for all).")
+    g.add_argument("--port", type=int, default=8000, metavar="PORT", help="Port to listen on (default 8000).")
+    g.add_argument("--api-key", default=None, metavar="KEY",
+                   help="Require 'Authorization: Bearer KEY' on /v1/* (default: $SPECDECODE_API_KEY, or none).")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="Model name(s) clients use in the 'model' field (default: the model argument).")
+    g.add_argument("--uvicorn-log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    g.add_argument("--timeout-graceful-shutdown", type=float, default=30.0, metavar="SECONDS",
+                   help="Seconds in-flight requests get to finish after SIGINT/SIGTERM (default 30).")
+    e = parser.add_argument_group("engine")
+    e.add_argument("--max-num-seqs", type=int, default=None, metavar="N", help="Running batch size (cache slots).")
+    e.add_argument("--max-model-len", type=int, default=None, metavar="N", help="Context length (prompt + output).")
+    e.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    e.add_argument("--quantization", default=None, choices=["int8", "none"])
+    e.add_argument("--seed", type=int, default=None, metavar="N")
+    e.add_argument("--max-waiting-requests", type=int, default=None, metavar="N",
+                   help="Waiting-queue limit; requests beyond it get HTTP 503.")
+    s = parser.add_argument_group("speculative decoding")
+    s.add_argument("--speculative-model", default=None, metavar="DRAFT",
+                   help="Draft model path, or '[ngram]' for prompt lookup.")
+    s.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K", help="Tokens drafted per step (k).")
+    s.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (vLLM form).')
+    s.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
+                   help="Turn speculation off while the running batch has at least this many sequences.")
+    s.add_argument("--ngram-prompt-lookup-max", type=int, default=None, metavar="N")
+    s.add_argument("--ngram-prompt-lookup-min", type=int, default=None, metavar="N")
+
+
+def engine_kwargs_from_args(args: argparse.Namespace, model: str | None) -> dict[str, Any]:
+    """Engine keyword arguments from parsed flags (ValueError for a malformed --speculative-config)."""
+    kw: dict[str, Any] = {"model": model}
+    for name in ("max_num_seqs", "max_model_len", "dtype", "quantization", "seed", "max_waiting_requests",
+                 "speculative_model", "num_speculative_tokens", "speculative_disable_by_batch_size",
+                 "ngram_prompt_lookup_max", "ngram_prompt_lookup_min"):
+        v = getattr(args, name, None)
+        if v is not None:
+            kw[name] = v
+    sc = getattr(args, "speculative_config", None)
+    if sc:
+        try:
+            cfg = json.loads(sc)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config is not valid JSON ({e.msg}): {sc!r}") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"--speculative-config must be a JSON object, got {sc!r}.")
+        kw["speculative_config"] = cfg
+    if model is None and "speculative_config" not in kw and "speculative_model" not in kw:
+        kw = default_engine_kwargs(kw)
+    return kw
+
+
+def _fail(msg: str) -> None:
+    print(f"specdecode serve: error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _, _, _, addr = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        _fail(f"cannot listen on {host}:{port}: {e.strerror or e}.")
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_server(args: argparse.Namespace, model: str | None) -> None:
+    """Loads the engine, then serves until SIGINT/SIGTERM. Bad settings: one line on stderr, exit code 2."""
+    import uvicorn
+
+    host, port = getattr(args, "host", None) or "127.0.0.1", getattr(args, "port", None)
+    port = 8000 if port is None else port
+    if not (0 <= port <= 65535):
+        _fail(f"--port must be in 0..65535, got {port}.")
+    api_key = getattr(args, "api_key", None) or os.environ.get("SPECDECODE_API_KEY") or None
+    try:
+        kw = engine_kwargs_from_args(args, model)
+        app = build_app(kw, getattr(args, "served_model_name", None), api_key)
+    except (ValueError, OSError, FileNotFoundError) as e:
+        _fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    sock = _bind(host, port)
+    config = uvicorn.Config(app, log_level=getattr(args, "uvicorn_log_level", None) or "warning",
+                            timeout_graceful_shutdown=getattr(args, "timeout_graceful_shutdown", None) or 30.0,
+                            lifespan="on")
+    server = uvicorn.Server(config)
+    host, port = sock.getsockname()[:2]
+    print(f"specdecode: serving {app.state.server.names[0]} on http://{host}:{port} "
+          f"(OpenAI API under /v1; Ctrl+C to stop)", file=sys.stderr, flush=True)
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn handles SIGINT/SIGTERM itself (stop accepting, let in-flight requests finish, lifespan
+        # shutdown stops the engine) and then re-raises the signal to the previous handler: make that a
+        # clean exit instead of a death by signal.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        app.state.engine.shutdown()
+        with contextlib.suppress(OSError):
+            sock.close()
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse prints usage + message; keep it to one line
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = _OneLineParser(prog="python -m specdecode.entrypoints.openai.api_server",
+                            description="OpenAI-compatible server with speculative decoding.")
+    parser.add_argument("--model", default=None, help="Target model: HF directory or .gguf (default: the "
+                                                      "embedded default pair).")
+    add_server_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    run_server(args, args.model)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,339 @@
+"""Row-invariant CPU linear kernel: build/load and Python API.
+
+``rowinv_linear(x, packed)`` computes ``x @ W.T (+ bias)`` such that output row i is bitwise identical
+whatever M is, whatever the other rows contain and whatever ``torch.get_num_threads()`` is: every
+(row, output channel) dot product is reduced over K in one fixed order, and threads split only the
+output channels. A forward over M <= 64 rows reads each weight once, so verifying k draft tokens
+costs little more than decoding one.
+
+The C++ source (``cpu_linear.cpp``, shipped as package data) is JIT-built with
+``torch.utils.cpp_extension.load`` on first use and cached in the torch extensions directory, or in
+``$SPECDECODE_KERNEL_DIR`` if set. If the build fails, one warning is logged and a slow but still
+row-invariant pure-torch path is used. ``SPECDECODE_DISABLE_KERNEL=1`` (read at call time) or
+``kernels.FORCE_FALLBACK = True`` forces that path.
+
+Weight formats (``pack_linear``):
+  * ``fp32``: float32 weight.
+  * ``bf16``: bfloat16 weight (round-to-nearest-even from wider types), widened to fp32 in-register.
+  * ``int8``: symmetric per-output-channel quantization, ``scale = absmax / 127``,
+    ``q = round(w / scale)``; the kernel computes ``(x . q) * scale``.
+Activations and accumulation are always fp32.
+
+Non-CPU inputs (e.g. CUDA) use ``F.linear`` on a dequantized weight cached on that device; bitwise row
+invariance is NOT guaranteed there.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import warnings
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+FORMATS = ("fp32", "bf16", "int8")
+_FMT_CODE = {"fp32": 0, "bf16": 1, "int8": 2}
+_WEIGHT_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_linear.cpp")
+
+# Set to True to force the pure-torch fallback (tests / debugging).
+FORCE_FALLBACK = False
+
+_lock = threading.Lock()
+_ext: Any = None
+_build_failed = False
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+# ------------------------------------------------------------------------------------------------
+# Packed weights
+# ------------------------------------------------------------------------------------------------
+class PackedLinear:
+    """A weight prepared for the kernel.
+
+    ``weight`` is ``[N, Kp]`` (Kp = K rounded up to a multiple of 8, zero padded) of dtype float32,
+    bfloat16 or int8 depending on ``fmt``; ``scale`` is float32 ``[N]`` for int8, else None.
+    A plain object (not an nn.Module) so that it never shows up in a model's state_dict.
+    """
+
+    __slots__ = ("fmt", "out_features", "in_features", "weight", "scale", "_dense_cache", "_checked")
+
+    def __init__(self, fmt: str, weight: torch.Tensor, scale: torch.Tensor | None, in_features: int):
+        self.fmt = fmt
+        self.weight = weight
+        self.scale = scale
+        self.out_features = int(weight.shape[0])
+        self.in_features = int(in_features)
+        self._dense_cache: dict[torch.device, torch.Tensor] = {}
+        self._checked: tuple = ()
+
+    def _kernel_args(self) -> tuple[int, int, int, torch.Tensor | None]:
+        """(weight pointer, row stride, format code, float32 CPU scale) after checking the layout the
+        C++ kernel relies on; the check is redone whenever the weight/scale tensors change."""
+        w, scale = self.weight, self.scale
+        # Cheap key: a new tensor object or new storage triggers a full re-check.
+        key = (id(w), w.data_ptr(), id(scale), None if scale is None else scale.data_ptr())
+        if self._checked and self._checked[0] == key:
+            return self._checked[1]
+        N, K = self.out_features, self.in_features
+        if (w.dtype != _WEIGHT_DTYPE[self.fmt] or w.ndim != 2 or w.shape[0] != N or w.stride(1) != 1
+                or w.shape[1] < _round_up(K, 8) or (N > 1 and w.stride(0) < w.shape[1]) or not w.is_cpu):
+            raise ValueError(f"rowinv_linear: malformed packed weight {tuple(w.shape)} {w.dtype} for {self!r}")
+        if self.fmt == "int8":
+            if scale is None or tuple(scale.shape) != (N,):
+                raise ValueError("rowinv_linear: int8 weight needs a [N] scale")
+            if scale.dtype != torch.float32 or not scale.is_cpu or not scale.is_contiguous():
+                scale = scale.to(device="cpu", dtype=torch.float32).contiguous()
+        else:
+            scale = None
+        args = (w.data_ptr(), w.stride(0), _FMT_CODE[self.fmt], scale)
+        self._checked = (key, args)
+        return args
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    @property
+    def nbytes(self) -> int:
+        n = self.weight.numel() * self.weight.element_size()
+        if self.scale is not None:
+            n += self.scale.numel() * self.scale.element_size()
+        return n
+
+    def __repr__(self) -> str:
+        return (f"PackedLinear(fmt={self.fmt!r}, out_features={self.out_features}, "
+                f"in_features={self.in_features}, device={self.device})")
+
+
+def pack_linear(weight: torch.Tensor, fmt: str) -> PackedLinear:
+    """Prepare a ``[N, K]`` weight (any float dtype) for ``rowinv_linear``.
+
+    fp32 weights that are already contiguous float32 with K % 8 == 0 are shared, not copied.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"Unknown weight format {fmt!r}; valid formats are: {', '.join(FORMATS)}")
+    if weight.dim() != 2:
+        raise ValueError(f"pack_linear expects a 2-D [out_features, in_features] weight, got shape "
+                         f"{tuple(weight.shape)}")
+    if not weight.is_floating_point():
+        raise ValueError(f"pack_linear expects a floating-point weight, got {weight.dtype}")
+    w = weight.detach()
+    N, K = w.shape
+    Kp = _round_up(K, 8)
+
+    if fmt == "fp32":
+        if w.dtype == torch.float32 and w.is_contiguous() and Kp == K:
+            return PackedLinear(fmt, w, None, K)
+        out = torch.zeros(N, Kp, dtype=torch.float32, device=w.device)
+        out[:, :K] = w
+        return PackedLinear(fmt, out, None, K)
+
+    if fmt == "bf16":
+        if w.dtype == torch.bfloat16 and w.is_contiguous() and Kp == K:
+            return PackedLinear(fmt, w, None, K)
+        out = torch.zeros(N, Kp, dtype=torch.bfloat16, device=w.device)
+        out[:, :K] = w  # round-to-nearest-even
+        return PackedLinear(fmt, out, None, K)
+
+    # int8: symmetric, per output channel; processed in row chunks to bound temporary memory.
+    q = torch.zeros(N, Kp, dtype=torch.int8, device=w.device)
+    scale = torch.empty(N, dtype=torch.float32, device=w.device)
+    step = max(1, (1 << 22) // max(K, 1))
+    for n0 in range(0, N, step):
+        blk = w[n0:n0 + step].float()
+        s = blk.abs().amax(dim=1) / 127.0
+        s = torch.where(s > 0, s, torch.ones_like(s))  # all-zero rows: q = 0, any scale works
+        q[n0:n0 + step, :K] = torch.round(blk / s[:, None]).clamp_(-127, 127).to(torch.int8)
+        scale[n0:n0 + step] = s
+    return PackedLinear(fmt, q, scale, K)
+
+
+def dequantize(packed: PackedLinear) -> torch.Tensor:
+    """float32 ``[N, K]`` weight equal to what the kernel multiplies with (int8: ``q * scale``)."""
+    w = packed.weight[:, :packed.in_features]
+    if packed.fmt == "int8":
+        return w.float() * packed.scale[:, None]
+    return w.float().contiguous() if w.dtype != torch.float32 else w.contiguous()
+
+
+# ------------------------------------------------------------------------------------------------
+# Build / load
+# ------------------------------------------------------------------------------------------------
+def _cpu_tag() -> str:
+    """Short hash of the CPU flags, so a -march=native build is never reused on another CPU."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags = line
+                    break
+    except OSError:
+        pass
+    import platform
+    return hashlib.sha1((platform.machine() + flags).encode()).hexdigest()[:10]
+
+
+def _load_extension() -> Any:
+    from torch.utils import cpp_extension
+
+    build_dir = os.environ.get("SPECDECODE_KERNEL_DIR") or None
+    if build_dir:
+        os.makedirs(build_dir, exist_ok=True)
+    name = f"specdecode_cpu_linear_{_cpu_tag()}"
+    # -fopenmp: at::parallel_for is header-only and only runs in parallel when compiled with OpenMP;
+    # the libgomp.so.1 torch already loaded is reused (same soname), so there is a single runtime.
+    base = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
+    attempts = [base + ["-march=native"], base]  # second try: portable scalar path
+    last_err: Exception | None = None
+    for i, cflags in enumerate(attempts):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return cpp_extension.load(
+                    name=name if i == 0 else name + "_generic",
+                    sources=[_SOURCE],
+                    extra_cflags=cflags,
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=build_dir,
+                    verbose=False,
+                )
+        except Exception as e:  # compiler missing, ninja missing, bad flags, ...
+            last_err = e
+    assert last_err is not None
+    raise last_err
+
+
+def _get_ext() -> Any:
+    global _ext, _build_failed
+    if _ext is not None or _build_failed:
+        return _ext
+    with _lock:
+        if _ext is None and not _build_failed:
+            try:
+                _ext = _load_extension()
+            except Exception as e:
+                _build_failed = True
+                logger.warning("specdecode: could not build the row-invariant CPU linear kernel (%s: %s); "
+                               "using a slow pure-torch fallback.", type(e).__name__, str(e).strip()[:500])
+    return _ext
+
+
+_ENV_NAME = "SPECDECODE_DISABLE_KERNEL"
+try:  # os.environ's backing dict: same data as os.environ.get, ~20x cheaper per call
+    _ENV_DATA, _ENV_KEY = os.environ._data, os.environ.encodekey(_ENV_NAME)  # type: ignore[attr-defined]
+except AttributeError:  # pragma: no cover
+    _ENV_DATA, _ENV_KEY = None, _ENV_NAME
+
+
+def _env_disabled() -> bool:
+    if _ENV_DATA is not None:
+        v = _ENV_DATA.get(_ENV_KEY)
+        if v is None:
+            return False
+        v = v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+    else:  # pragma: no cover
+        v = os.environ.get(_ENV_NAME)
+        if v is None:
+            return False
+    return v.strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _disabled() -> bool:
+    """Fallback forced by ``FORCE_FALLBACK`` or ``SPECDECODE_DISABLE_KERNEL`` (read at every call)."""
+    return FORCE_FALLBACK or _env_disabled()
+
+
+def kernel_available() -> bool:
+    """True if the compiled kernel is usable (builds it on first call)."""
+    if _disabled():
+        return False
+    return _get_ext() is not None
+
+
+def kernel_info() -> dict:
+    ext = None if _disabled() else _get_ext()
+    return {"available": ext is not None, "avx2": bool(ext.has_avx2()) if ext is not None else False,
+            "disabled": _disabled()}
+
+
+# ------------------------------------------------------------------------------------------------
+# Compute
+# ------------------------------------------------------------------------------------------------
+def _dense_on(packed: PackedLinear, device: torch.device) -> torch.Tensor:
+    w = packed._dense_cache.get(device)
+    if w is None:
+        w = dequantize(packed).to(device)
+        packed._dense_cache[device] = w
+    return w
+
+
+def _weight_chunks(packed: PackedLinear, device: torch.device):
+    """Yield ``(n0, w)`` with ``w`` a float32 ``[n, K]`` slice of the effective weight, in fixed chunks."""
+    K, N = packed.in_features, packed.out_features
+    if packed.weight.device != device:
+        yield 0, _dense_on(packed, device)
+    elif packed.fmt == "fp32":
+        yield 0, packed.weight[:, :K]
+    else:  # dequantize in fixed row chunks: no cached float copy (it would defeat int8/bf16 savings)
+        step = max(1, (1 << 22) // max(K, 1))
+        for n0 in range(0, N, step):
+            wq = packed.weight[n0:n0 + step, :K]
+            yield n0, (wq.float() * packed.scale[n0:n0 + step, None] if packed.fmt == "int8" else wq.float())
+
+
+def _fallback(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None) -> torch.Tensor:
+    """Pure torch, row by row: every output row comes from its own M=1 call, so it is row-invariant
+    (independence from the thread count is up to the BLAS library here)."""
+    M = x.shape[0]
+    out = torch.empty(M, packed.out_features, dtype=torch.float32, device=x.device)
+    for n0, w in _weight_chunks(packed, x.device):
+        n1 = n0 + w.shape[0]
+        for i in range(M):
+            out[i:i + 1, n0:n1] = F.linear(x[i:i + 1], w)
+    if bias is not None:
+        out = out + bias.to(device=out.device, dtype=torch.float32)
+    return out
+
+
+def rowinv_linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] float32 -> [M, N] float32``, row i bitwise independent of M, other rows and threads."""
+    if x.ndim != 2 or x.shape[1] != packed.in_features:
+        raise ValueError(f"rowinv_linear: expected x of shape [M, {packed.in_features}], got {tuple(x.shape)}")
+    if x.dtype is not torch.float32:
+        x = x.float()
+    if not x.is_cpu:
+        # Accelerators: plain BLAS on a cached dequantized copy. Row invariance is NOT guaranteed.
+        w = _dense_on(packed, x.device)
+        b = bias.to(device=x.device, dtype=torch.float32) if bias is not None else None
+        return F.linear(x, w, b)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if _disabled() or not packed.weight.is_cpu:
+        return _fallback(x, packed, bias)
+    ext = _ext if _ext is not None else _get_ext()
+    if ext is None:
+        return _fallback(x, packed, bias)
+
+    # The extension takes raw pointers: every layout assumption is checked here.
+    N = packed.out_features
+    wptr, ldw, code, scale = packed._kernel_args()
+    if bias is not None:
+        if not (bias.dtype is torch.float32 and bias.is_cpu and bias.is_contiguous()):
+            bias = bias.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        if bias.numel() != N:
+            raise ValueError(f"rowinv_linear: bias has {bias.numel()} elements, expected {N}")
+    M, K = x.shape
+    y = torch.empty(M, N, dtype=torch.float32)
+    ext.rowinv_linear(x.data_ptr(), K, wptr, ldw, K, code, scale.data_ptr() if scale is not None else 0,
+                      bias.data_ptr() if bias is not None else 0, y.data_ptr(), N, M, N)
+    return y

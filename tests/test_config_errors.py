@@ -1,0 +1,274 @@
+"""Bad inputs raise ValueError with a message that says what is wrong and how to fix it; every accepted
+configuration form (vLLM legacy, vLLM current, SGLang) works and gives plain greedy's output."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from specdecode import LLM, Engine, SamplingParams
+from specdecode.config import SpeculativeConfig
+
+from helpers_spec import (GREEDY, PROMPTS, copy_model, edit_config, gen_ids, llm_cache,  # noqa: F401
+                          one_thread, other_tokenizer_draft)
+
+
+def _raises(fn, *patterns: str) -> str:
+    """fn() must raise ValueError (not a torch/safetensors/KeyError traceback) whose message matches every
+    regex pattern (case-insensitive)."""
+    with pytest.raises(ValueError) as info:
+        fn()
+    msg = str(info.value)
+    assert type(info.value) is ValueError, f"{type(info.value).__name__}: {msg}"
+    for p in patterns:
+        assert re.search(p, msg, re.I | re.S), f"message lacks {p!r}: {msg}"
+    assert "Traceback" not in msg
+    return msg
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Speculative configuration
+# ---------------------------------------------------------------------------------------------------------
+def test_tokenizer_mismatch(tiny_models, other_tokenizer_draft):
+    # Same vocabulary size (a size-only check would pass), different tokens.
+    from transformers import AutoTokenizer
+    a = AutoTokenizer.from_pretrained(str(tiny_models["llama"]))
+    b = AutoTokenizer.from_pretrained(str(other_tokenizer_draft))
+    assert len(a) == len(b) and a.get_vocab() != b.get_vocab()
+    _raises(lambda: LLM(str(tiny_models["llama"]), speculative_model=str(other_tokenizer_draft),
+                        num_speculative_tokens=3, max_model_len=64),
+            r"tokenizer", r"draft", r"same tokenizer|same family|\[ngram\]")
+
+
+def test_draft_with_padded_embedding_rows_is_accepted(one_thread, tiny_models, tiny_dir):
+    """Allowed: a draft whose embedding table has extra padding rows beyond the shared vocabulary."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    d = copy_model(tiny_models["llama"], tiny_dir / "llama_padded_vocab")
+    f = d / "model.safetensors"
+    t = load_file(str(f))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        t[name] = torch.cat([t[name], torch.zeros(64, t[name].shape[1])]).contiguous()
+    save_file(t, str(f), metadata={"format": "pt"})
+    edit_config(d, vocab_size=t["lm_head.weight"].shape[0])
+    llm = LLM(str(tiny_models["llama"]), speculative_model=str(d), num_speculative_tokens=3, max_model_len=64)
+    plain = LLM(str(tiny_models["llama"]), max_model_len=64)
+    p = dict(max_tokens=12, **GREEDY)
+    assert gen_ids(llm, PROMPTS[:2], **p) == gen_ids(plain, PROMPTS[:2], **p)
+
+
+def test_draft_larger_than_target_warns(one_thread, tiny_models, tiny_draft):
+    import logging
+
+    # Our own handler on the "specdecode" logger: caplog relies on propagation to the root logger, which a
+    # CLI run in the same process may have turned off.
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    log = logging.getLogger("specdecode")
+    log.addHandler(handler)
+    try:
+        LLM(str(tiny_draft), speculative_model=str(tiny_models["llama"]), num_speculative_tokens=2,
+            max_model_len=64)
+    finally:
+        log.removeHandler(handler)
+    msgs = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    # Both parameter counts are named (tiny models: 0.1M-sized numbers).
+    assert any("larger" in m and len(re.findall(r"\d+(?:\.\d+)?M", m)) >= 2 for m in msgs), msgs
+
+
+@pytest.mark.parametrize("k", [0, 17, -1])
+def test_k_out_of_range(k, tiny_models):
+    for kw in (dict(speculative_model="[ngram]", num_speculative_tokens=k),
+               dict(speculative_config={"method": "ngram", "num_speculative_tokens": k})):
+        msg = _raises(lambda: LLM(str(tiny_models["llama"]), **kw), r"num_speculative_tokens", r"1\s*\.\.\s*16")
+        assert str(k) in msg
+    # The message says why.
+    msg = _raises(lambda: SpeculativeConfig(method="ngram", num_speculative_tokens=k))
+    assert len(msg) > 80
+
+
+def test_k_bounds_are_inclusive(tiny_models):
+    for k in (1, 16):
+        SpeculativeConfig(method="ngram", num_speculative_tokens=k)
+
+
+def test_unknown_method_lists_valid_ones(tiny_models):
+    msg = _raises(lambda: LLM(str(tiny_models["llama"]),
+                              speculative_config={"method": "eagle", "num_speculative_tokens": 3}),
+                  r"eagle", r"ngram", r"draft_model")
+    assert "Traceback" not in msg
+
+
+def test_unknown_speculative_config_key(tiny_models):
+    _raises(lambda: LLM(str(tiny_models["llama"]),
+                        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "lookahead": 2}),
+            r"lookahead", r"prompt_lookup_max")
+
+
+def test_missing_draft_path(tiny_models, tmp_path):
+    missing = tmp_path / "no_such_draft"
+    _raises(lambda: LLM(str(tiny_models["llama"]), speculative_model=str(missing), num_speculative_tokens=3),
+            re.escape(missing.name), r"not found|does not exist|no such")
+
+
+def test_draft_model_method_without_a_model(tiny_models):
+    _raises(lambda: LLM(str(tiny_models["llama"]),
+                        speculative_config={"method": "draft_model", "num_speculative_tokens": 3}),
+            r"draft", r"speculative_model|model")
+
+
+def test_bad_ngram_bounds(tiny_models):
+    _raises(lambda: LLM(str(tiny_models["llama"]), speculative_model="[ngram]", num_speculative_tokens=3,
+                        ngram_prompt_lookup_min=4, ngram_prompt_lookup_max=2),
+            r"prompt_lookup_min", r"prompt_lookup_max")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Model paths and files
+# ---------------------------------------------------------------------------------------------------------
+def test_missing_model_path(tmp_path):
+    missing = tmp_path / "no_such_model"
+    _raises(lambda: LLM(str(missing)), re.escape(missing.name), r"not found|does not exist|no such",
+            r"config\.json|\.gguf|local path")
+
+
+def test_directory_without_model(tmp_path):
+    (tmp_path / "empty").mkdir()
+    _raises(lambda: LLM(str(tmp_path / "empty")), r"config\.json|\.gguf")
+
+
+def test_corrupt_safetensors(tiny_models, tiny_dir):
+    d = copy_model(tiny_models["llama"], tiny_dir / "llama_truncated")
+    f = d / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    _raises(lambda: LLM(str(d), max_model_len=64), r"safetensors", r"corrupt|truncat|invalid|unreadable",
+            r"re-?download|re-?save")
+
+
+def test_garbage_safetensors_header(tiny_models, tiny_dir):
+    d = copy_model(tiny_models["llama"], tiny_dir / "llama_garbage")
+    (d / "model.safetensors").write_bytes(b"\xff" * 64)
+    _raises(lambda: LLM(str(d), max_model_len=64), r"safetensors", r"corrupt|invalid|unreadable")
+
+
+def test_unsupported_architecture(tiny_models, tiny_dir):
+    d = copy_model(tiny_models["llama"], tiny_dir / "llama_unsupported")
+    edit_config(d, architectures=["MambaForCausalLM"], model_type="mamba")
+    _raises(lambda: LLM(str(d), max_model_len=64), r"MambaForCausalLM", r"unsupported|not supported",
+            r"LlamaForCausalLM", r"Qwen2ForCausalLM", r"GPT2LMHeadModel")
+
+
+def test_broken_config_json(tiny_models, tiny_dir):
+    d = copy_model(tiny_models["llama"], tiny_dir / "llama_badjson")
+    (d / "config.json").write_text("{not json")
+    _raises(lambda: LLM(str(d), max_model_len=64), r"config\.json", r"json")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Requests
+# ---------------------------------------------------------------------------------------------------------
+def test_prompt_longer_than_max_model_len(one_thread, llm_cache, tiny_models):
+    llm = llm_cache.get(tiny_models["llama"], max_model_len=32)
+    for prompt in ([7] * 40, [7] * 32):
+        _raises(lambda: llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=4),
+                                     use_tqdm=False),
+                str(len(prompt)), r"max_model_len", r"shorten|raise|increase")
+    # Text prompts too, and one bad prompt in a batch fails before any work is queued.
+    _raises(lambda: llm.generate(["hi", "fox " * 100], SamplingParams(max_tokens=4), use_tqdm=False),
+            r"max_model_len")
+    assert not llm.engine.has_unfinished_requests()
+    out = gen_ids(llm, [[7] * 31], max_tokens=4, **GREEDY)[0]  # fits: room for exactly one token
+    assert len(out) == 1
+
+
+@pytest.mark.parametrize("kw,patterns", [
+    (dict(temperature=-0.1), [r"temperature", r">= ?0"]),
+    (dict(top_p=0.0), [r"top_p", r"\(0, 1\]"]),
+    (dict(top_p=1.5), [r"top_p", r"\(0, 1\]"]),
+    (dict(max_tokens=0), [r"max_tokens", r">= ?1"]),
+    (dict(max_tokens=-3), [r"max_tokens", r">= ?1"]),
+    (dict(top_k=-5), [r"top_k"]),
+    (dict(min_p=1.5), [r"min_p"]),
+    (dict(n=0), [r"\bn\b"]),
+])
+def test_invalid_sampling_params(kw, patterns):
+    msg = _raises(lambda: SamplingParams(**kw), *patterns)
+    assert str(list(kw.values())[0]) in msg  # it names the offending value
+
+
+def test_valid_sampling_params_edges():
+    SamplingParams(temperature=0.0, top_p=1.0, max_tokens=1)
+    SamplingParams(temperature=2.0, top_p=1e-6, top_k=1, min_p=1.0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Accepted configuration forms: all give plain greedy's output
+# ---------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def plain_text(one_thread, llm_cache, tiny_models):
+    llm = llm_cache.get(tiny_models["llama"])
+    return {tuple(p): gen_ids(llm, [p], max_tokens=16, **GREEDY)[0] for p in PROMPTS}
+
+
+def test_vllm_current_form_ngram(plain_text, llm_cache, tiny_models):
+    llm = llm_cache.get(tiny_models["llama"],
+                        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    spec = llm.config.speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max, spec.model) == ("ngram", 3, 3, None)
+    assert gen_ids(llm, PROMPTS, max_tokens=16, **GREEDY) == [plain_text[tuple(p)] for p in PROMPTS]
+    assert llm.spec_decode_metrics.num_draft_tokens > 0
+
+
+def test_vllm_current_form_method_inferred_from_model(plain_text, llm_cache, tiny_models, tiny_draft):
+    llm = llm_cache.get(tiny_models["llama"],
+                        speculative_config={"model": str(tiny_draft), "num_speculative_tokens": 3})
+    spec = llm.config.speculative
+    assert (spec.method, spec.num_speculative_tokens) == ("draft_model", 3)
+    assert gen_ids(llm, PROMPTS, max_tokens=16, **GREEDY) == [plain_text[tuple(p)] for p in PROMPTS]
+    assert llm.spec_decode_metrics.num_draft_tokens > 0
+    # "[ngram]" as the model means n-gram lookup.
+    cfg = SpeculativeConfig.from_dict({"model": "[ngram]", "num_speculative_tokens": 2})
+    assert (cfg.method, cfg.model) == ("ngram", None)
+
+
+def test_vllm_legacy_keywords(plain_text, llm_cache, tiny_models, tiny_draft):
+    llm = llm_cache.get(tiny_models["llama"], speculative_model="[ngram]", num_speculative_tokens=2,
+                        ngram_prompt_lookup_max=3, ngram_prompt_lookup_min=2)
+    spec = llm.config.speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min) == \
+        ("ngram", 2, 3, 2)
+    assert gen_ids(llm, PROMPTS, max_tokens=16, **GREEDY) == [plain_text[tuple(p)] for p in PROMPTS]
+    _raises(lambda: LLM(str(tiny_models["llama"]), speculative_model="[ngram]", num_speculative_tokens=2,
+                        speculative_config={"method": "ngram"}), r"speculative_config", r"not both|either")
+
+
+def test_speculative_disable_by_batch_size(plain_text, llm_cache, tiny_models, tiny_draft):
+    llm = llm_cache.get(tiny_models["llama"], speculative_model=str(tiny_draft), num_speculative_tokens=3,
+                        speculative_disable_by_batch_size=2)
+    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=SamplingParams(max_tokens=16, **GREEDY),
+                        use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [plain_text[tuple(p)] for p in PROMPTS]
+    assert all(o.metrics.spec_decode.num_drafts == 0 for o in outs)  # 4 running >= 2: no speculation
+    one = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=SamplingParams(max_tokens=16, **GREEDY),
+                       use_tqdm=False)[0]
+    assert one.metrics.spec_decode.num_drafts > 0 and list(one.outputs[0].token_ids) == plain_text[tuple(PROMPTS[0])]
+
+
+def test_sglang_engine(one_thread, llm_cache, tiny_models, tiny_draft):
+    prompts = ["The quick brown fox", "def add(a, b):\n", "Once upon a time"]
+    want = [o.outputs[0].text for o in llm_cache.get(tiny_models["llama"]).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)]
+    eng = Engine(model_path=str(tiny_models["llama"]), speculative_draft_model_path=str(tiny_draft),
+                 speculative_num_draft_tokens=3)
+    assert eng.llm.config.speculative.method == "draft_model"
+    assert eng.llm.config.speculative.num_speculative_tokens == 3
+    outs = eng.generate(prompts, {"temperature": 0, "max_new_tokens": 10})
+    assert isinstance(outs, list) and all(isinstance(o, dict) for o in outs)
+    assert [o["text"] for o in outs] == want
+    single = eng.generate(prompts[0], {"temperature": 0, "max_new_tokens": 10})
+    assert isinstance(single, dict) and single["text"] == want[0]
+    eng.shutdown()

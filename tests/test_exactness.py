@@ -1,0 +1,191 @@
+"""Greedy speculative decoding must return exactly plain greedy decoding's token ids.
+
+Every native family, k in {1, 2, 4, 8}, both proposers, batch sizes 1 and 4 with prompts of different
+lengths. The draft model is a noisy copy of the target (accepted partly, so rejections and KV rollbacks
+happen at many positions); the n-gram proposer gets a repetitive prompt. A self-draft accepts 100%.
+Per-request and aggregate speculation metrics must add up.
+"""
+from __future__ import annotations
+
+import pytest
+
+from specdecode import LLM, SamplingParams
+
+from helpers_spec import (GREEDY, PROMPTS, gen_ids, llm_cache, noisy_drafts,  # noqa: F401  (fixtures)
+                          one_thread)
+
+FAMILIES = ("llama", "qwen2", "qwen3", "opt", "gpt2")
+KS = (1, 2, 4, 8)
+MAX_TOKENS = 24
+
+
+def _generate(llm, prompts, **params):
+    return llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(**params), use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def plain(one_thread, llm_cache, tiny_models):
+    """family -> (batched greedy ids for PROMPTS, the same prompts run one by one)."""
+    memo = {}
+
+    def get(fam):
+        if fam not in memo:
+            llm = llm_cache.get(tiny_models[fam])
+            batched = gen_ids(llm, PROMPTS, max_tokens=MAX_TOKENS, **GREEDY)
+            single = [gen_ids(llm, [p], max_tokens=MAX_TOKENS, **GREEDY)[0] for p in PROMPTS]
+            memo[fam] = batched, single
+        return memo[fam]
+
+    return get
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_plain_batched_equals_one_by_one(fam, plain):
+    batched, single = plain(fam)
+    assert all(len(ids) == MAX_TOKENS for ids in batched)
+    assert batched == single
+    assert len({tuple(ids) for ids in batched}) == len(PROMPTS)  # the prompts really lead to different outputs
+
+
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("proposer", ["draft", "ngram"])
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_speculative_greedy_equals_plain(fam, proposer, k, plain, llm_cache, tiny_models, noisy_drafts):
+    batched, single = plain(fam)
+    spec_model = noisy_drafts[fam] if proposer == "draft" else "[ngram]"
+    llm = llm_cache.get(tiny_models[fam], speculative_model=spec_model, num_speculative_tokens=k)
+
+    outs = _generate(llm, PROMPTS, max_tokens=MAX_TOKENS, **GREEDY)  # batch of 4, lengths 11, 1, 20, 7
+    assert [list(o.outputs[0].token_ids) for o in outs] == batched
+    i = k % len(PROMPTS)  # batch of 1: a different prompt for each k
+    assert gen_ids(llm, [PROMPTS[i]], max_tokens=MAX_TOKENS, **GREEDY)[0] == single[i]
+
+    stats = [o.metrics.spec_decode for o in outs]
+    drafted = sum(s.num_draft_tokens for s in stats)
+    accepted = sum(s.num_accepted_tokens for s in stats)
+    assert drafted > 0, "nothing was speculated: the test would prove nothing"
+    assert max(len(s.accepted_per_pos) for s in stats) <= k
+    if proposer == "draft":
+        assert accepted > 0, "the noisy-copy draft should be accepted sometimes"
+        if k >= 2:
+            assert accepted < drafted, "some drafts should be rejected (mid-run rollback)"
+    else:
+        assert accepted > 0, "the repetitive prompt should give accepted n-gram drafts"
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_unrelated_draft_model_of_another_size(fam, plain, llm_cache, tiny_models, tiny_draft):
+    """tiny_draft (1-layer llama, shares the tokenizer) drafting for every family, k=4."""
+    batched, _ = plain(fam)
+    llm = llm_cache.get(tiny_models[fam], speculative_model=tiny_draft, num_speculative_tokens=4)
+    outs = _generate(llm, PROMPTS, max_tokens=MAX_TOKENS, **GREEDY)
+    assert [list(o.outputs[0].token_ids) for o in outs] == batched
+    assert sum(o.metrics.spec_decode.num_draft_tokens for o in outs) > 0
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_self_draft_accepts_everything(fam, plain, llm_cache, tiny_models):
+    batched, _ = plain(fam)
+    k = 4
+    llm = llm_cache.get(tiny_models[fam], speculative_model=tiny_models[fam], num_speculative_tokens=k)
+    outs = _generate(llm, PROMPTS, max_tokens=MAX_TOKENS, **GREEDY)
+    assert [list(o.outputs[0].token_ids) for o in outs] == batched
+    for o in outs:
+        s = o.metrics.spec_decode
+        assert s.num_draft_tokens > 0 and s.num_accepted_tokens == s.num_draft_tokens, s
+        assert s.acceptance_rate == 1.0
+
+    # Sampling too: the draft's q equals the target's p bitwise (row-invariant kernels), so u * q < p always.
+    outs = _generate(llm, PROMPTS, max_tokens=MAX_TOKENS, temperature=0.8, seed=3, ignore_eos=True)
+    for o in outs:
+        s = o.metrics.spec_decode
+        assert s.num_draft_tokens > 0 and s.num_accepted_tokens == s.num_draft_tokens, s
+
+
+def test_self_draft_token_accounting(one_thread, tiny_models):
+    """k=4, max_tokens=16: the prefill emits 1 token, then 3 verification steps emit 4 accepted + 1 bonus
+    each. Metrics follow vLLM's definitions exactly."""
+    llm = LLM(str(tiny_models["qwen3"]), speculative_model=str(tiny_models["qwen3"]), num_speculative_tokens=4,
+              max_model_len=128)
+    out = _generate(llm, [PROMPTS[0]], max_tokens=16, **GREEDY)[0]
+    s = out.metrics.spec_decode
+    assert len(out.outputs[0].token_ids) == 16
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (3, 12, 12)
+    assert s.accepted_per_pos == [3, 3, 3, 3]
+    assert s.mean_acceptance_length == 5.0
+    assert s.per_position_acceptance_rate == [1.0] * 4
+    agg = llm.spec_decode_metrics
+    assert agg.as_dict() == s.as_dict()
+
+
+@pytest.mark.parametrize("proposer", ["draft", "ngram"])
+def test_metrics_add_up(proposer, one_thread, tiny_models, noisy_drafts):
+    """Sum over requests == engine aggregate; rates follow vLLM's definitions; counts are consistent."""
+    spec_model = noisy_drafts["opt"] if proposer == "draft" else "[ngram]"
+    llm = LLM(str(tiny_models["opt"]), speculative_model=str(spec_model), num_speculative_tokens=4,
+              max_model_len=128)  # a fresh engine: its aggregate covers exactly these requests
+    outs = _generate(llm, PROMPTS + PROMPTS[:2], max_tokens=MAX_TOKENS, **GREEDY)
+    per = [o.metrics.spec_decode for o in outs]
+    agg = llm.spec_decode_metrics
+    assert agg.num_drafts == sum(s.num_drafts for s in per) > 0
+    assert agg.num_draft_tokens == sum(s.num_draft_tokens for s in per)
+    assert agg.num_accepted_tokens == sum(s.num_accepted_tokens for s in per) > 0
+    width = max(len(s.accepted_per_pos) for s in per)
+    summed = [sum(s.accepted_per_pos[i] if i < len(s.accepted_per_pos) else 0 for s in per) for i in range(width)]
+    assert agg.accepted_per_pos[:width] == summed and not any(agg.accepted_per_pos[width:])
+    for s in per + [agg]:
+        if not s.num_drafts:
+            continue
+        assert s.acceptance_rate == pytest.approx(s.num_accepted_tokens / s.num_draft_tokens)
+        assert s.mean_acceptance_length == pytest.approx(1 + s.num_accepted_tokens / s.num_drafts)
+        assert s.per_position_acceptance_rate == pytest.approx([a / s.num_drafts for a in s.accepted_per_pos])
+        # Accepting position i+1 requires accepting position i; the positions add up to the total.
+        assert all(a >= b for a, b in zip(s.accepted_per_pos, s.accepted_per_pos[1:]))
+        assert s.accepted_per_pos[0] <= s.num_drafts
+        assert sum(s.accepted_per_pos) == s.num_accepted_tokens <= s.num_draft_tokens <= 4 * s.num_drafts
+    for o in outs:
+        # Every output token is the prefill's, an accepted draft, or one recovered/bonus token per step.
+        s = o.metrics.spec_decode
+        n = len(o.outputs[0].token_ids)
+        assert n == MAX_TOKENS
+        assert s.num_drafts + s.num_accepted_tokens <= n - 1
+    d = agg.as_dict()
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos", "acceptance_rate",
+                "mean_acceptance_length", "per_position_acceptance_rate"):
+        assert key in d
+
+
+def test_default_pair_speculative_greedy_equals_plain(one_thread):
+    """The real default pair (Qwen2.5-Coder 1.5B target, 0.5B draft), k=4, batch of 2 prompts of different
+    lengths, 32 tokens: draft-model and n-gram speculation give plain greedy's ids.
+
+    To load the 1.5B target once, one engine serves all three runs: plain decoding is the same engine with
+    its proposer removed (exactly the state of an engine built without speculation), and n-gram is the same
+    engine with an n-gram proposer swapped in."""
+    from specdecode.spec.ngram import NgramProposer
+
+    llm = LLM(num_speculative_tokens=4, max_model_len=512)
+    assert llm.config.speculative.method == "draft_model"
+    prompts = ["def is_prime(n):\n    \"\"\"Return True if n is a prime number.\"\"\"\n",
+               "<|im_start|>user\nWrite a Python function that reverses a linked list, with a docstring "
+               "and type hints.<|im_end|>\n<|im_start|>assistant\n"]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+    def run():
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs], [o.metrics.spec_decode for o in outs]
+
+    draft_ids, draft_stats = run()
+    proposer = llm.engine.proposer
+    try:
+        llm.engine.proposer = None
+        plain_ids, plain_stats = run()
+        llm.engine.proposer = NgramProposer(1, 4)
+        ngram_ids, ngram_stats = run()
+    finally:
+        llm.engine.proposer = proposer
+    assert all(s.num_drafts == 0 for s in plain_stats)
+    assert draft_ids == plain_ids
+    assert ngram_ids == plain_ids
+    assert sum(s.num_accepted_tokens for s in draft_stats) > 0  # the real draft agrees with the target often
+    assert sum(s.num_draft_tokens for s in ngram_stats) > 0

@@ -1,0 +1,237 @@
+"""Row-invariant CPU linear kernel: bitwise row invariance, accuracy, fallback path."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdecode.layers import kernels
+
+FMTS = ("fp32", "bf16", "int8")
+MS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17)
+SHAPES = [(n, k) for k in (64, 72, 1536) for n in (64, 257)]
+
+
+@contextlib.contextmanager
+def num_threads(n: int):
+    prev = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
+
+
+@contextlib.contextmanager
+def forced_fallback():
+    prev = kernels.FORCE_FALLBACK
+    kernels.FORCE_FALLBACK = True
+    try:
+        yield
+    finally:
+        kernels.FORCE_FALLBACK = prev
+
+
+def _weight(n: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g) / k ** 0.5
+
+
+def _x(m: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=g)
+
+
+def _assert_row_invariant(packed, bias, k: int, seed: int) -> None:
+    x = _x(17, k, seed)
+    single = [kernels.rowinv_linear(x[i:i + 1], packed, bias) for i in range(17)]
+    for m in MS:
+        out = kernels.rowinv_linear(x[:m], packed, bias)
+        assert out.shape == (m, packed.out_features) and out.dtype == torch.float32
+        for i in range(m):
+            assert torch.equal(out[i], single[i][0]), f"M={m} row {i} differs from M=1"
+    # Permuted rows.
+    perm = torch.randperm(17, generator=torch.Generator().manual_seed(seed + 1))
+    out = kernels.rowinv_linear(x[perm].contiguous(), packed, bias)
+    for j, i in enumerate(perm.tolist()):
+        assert torch.equal(out[j], single[i][0]), "permuted rows differ"
+    # Other rows replaced by random data (including huge / tiny magnitudes).
+    for m in (5, 9, 17):
+        for i in range(m):
+            y = _x(m, k, seed + 100 + i) * torch.logspace(-3, 3, m)[:, None]
+            y[i] = x[i]
+            out = kernels.rowinv_linear(y, packed, bias)
+            assert torch.equal(out[i], single[i][0]), f"row {i} depends on other rows (M={m})"
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_row_invariance(fmt, n, k):
+    packed = kernels.pack_linear(_weight(n, k, n * 7 + k), fmt)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(3)) if n == 257 else None
+    _assert_row_invariant(packed, bias, k, seed=k + n)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("n,k", [(257, 72), (1031, 1536)])
+def test_thread_count_invariance(fmt, n, k):
+    packed = kernels.pack_linear(_weight(n, k, 11), fmt)
+    bias = torch.randn(n)
+    x = _x(17, k, 5)
+    with num_threads(1):
+        one = kernels.rowinv_linear(x, packed, bias)
+        one_single = kernels.rowinv_linear(x[3:4], packed, bias)
+    with num_threads(2):
+        two = kernels.rowinv_linear(x, packed, bias)
+        two_single = kernels.rowinv_linear(x[3:4], packed, bias)
+    assert torch.equal(one, two)
+    assert torch.equal(one_single[0], two[3]) and torch.equal(two_single[0], one[3])
+
+
+def test_kernel_builds():
+    # The machine running the test suite has a compiler; the fast path must actually be exercised.
+    assert kernels.kernel_available()
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("n,k", [(64, 64), (257, 72), (300, 1536), (96, 4100)])
+def test_accuracy(n, k):
+    w = _weight(n, k, 1)
+    x = _x(9, k, 2)
+    bias = torch.randn(n)
+    ref = F.linear(x, w)
+
+    p32 = kernels.pack_linear(w, "fp32")
+    assert _rel_err(kernels.rowinv_linear(x, p32), ref) < 1e-4
+    assert torch.equal(kernels.dequantize(p32), w)
+
+    pbf = kernels.pack_linear(w, "bf16")
+    wbf = kernels.dequantize(pbf)
+    assert torch.equal(wbf, w.bfloat16().float())
+    assert _rel_err(kernels.rowinv_linear(x, pbf), F.linear(x, wbf)) < 1e-4
+
+    p8 = kernels.pack_linear(w, "int8")
+    w8 = kernels.dequantize(p8)
+    assert w8.shape == (n, k) and w8.dtype == torch.float32
+    assert _rel_err(kernels.rowinv_linear(x, p8), F.linear(x, w8)) < 1e-4
+    # int8 quantization itself: symmetric per-channel, round to nearest.
+    scale = w.abs().amax(dim=1) / 127
+    assert (w8 - w).abs().le(scale[:, None] / 2 * (1 + 1e-5)).all()
+    assert _rel_err(kernels.rowinv_linear(x, p8), ref) < 2e-2
+
+    for p in (p32, pbf, p8):
+        out = kernels.rowinv_linear(x, p, bias)
+        assert _rel_err(out, F.linear(x, kernels.dequantize(p), bias)) < 1e-4
+        assert torch.equal(out, kernels.rowinv_linear(x, p) + bias) or _rel_err(
+            out, kernels.rowinv_linear(x, p) + bias) < 1e-6
+
+
+def test_input_dtypes_and_edge_cases():
+    w = _weight(40, 24, 3)
+    p = kernels.pack_linear(w.bfloat16(), "int8")
+    x = _x(3, 24, 4)
+    out = kernels.rowinv_linear(x, p, torch.zeros(40, dtype=torch.bfloat16))
+    assert torch.equal(out, kernels.rowinv_linear(x, p))
+    # Non-contiguous input and zero rows.
+    xt = _x(24, 3, 4).t()
+    assert torch.equal(kernels.rowinv_linear(xt, p), kernels.rowinv_linear(xt.contiguous(), p))
+    assert kernels.rowinv_linear(x[:0], p).shape == (0, 40)
+    # All-zero weight rows quantize cleanly.
+    wz = w.clone()
+    wz[5] = 0
+    pz = kernels.pack_linear(wz, "int8")
+    assert torch.all(kernels.rowinv_linear(x, pz)[:, 5] == 0)
+    with pytest.raises(ValueError):
+        kernels.pack_linear(w, "fp8")
+    with pytest.raises(ValueError):
+        kernels.rowinv_linear(_x(2, 25, 0), p)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_fallback_row_invariant(fmt, monkeypatch):
+    n, k = 257, 72
+    packed = kernels.pack_linear(_weight(n, k, 9), fmt)
+    bias = torch.randn(n)
+    x = _x(9, k, 10)
+    fast = kernels.rowinv_linear(x, packed, bias)
+    with forced_fallback():
+        assert not kernels.kernel_available()
+        _assert_row_invariant(packed, bias, k, seed=4)
+        slow = kernels.rowinv_linear(x, packed, bias)
+    assert _rel_err(slow, fast) < 1e-4
+    monkeypatch.setenv("SPECDECODE_DISABLE_KERNEL", "1")
+    assert not kernels.kernel_available()
+    assert torch.equal(kernels.rowinv_linear(x, packed, bias), slow)
+    monkeypatch.delenv("SPECDECODE_DISABLE_KERNEL")
+    assert kernels.kernel_available()
+
+
+def test_build_failure_falls_back_with_one_warning(monkeypatch, caplog):
+    def boom():
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(kernels, "_ext", None)
+    monkeypatch.setattr(kernels, "_build_failed", False)
+    monkeypatch.setattr(kernels, "_load_extension", boom)
+    packed = kernels.pack_linear(_weight(64, 72, 1), "int8")
+    x = _x(5, 72, 2)
+    with caplog.at_level("WARNING", logger=kernels.__name__):
+        assert not kernels.kernel_available()
+        out = kernels.rowinv_linear(x, packed)
+        out1 = kernels.rowinv_linear(x[2:3], packed)
+    assert torch.equal(out[2], out1[0])
+    assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_many_rows(fmt):
+    # More rows than one row block (64): still every row equals its own M=1 result.
+    n, k = 53, 40
+    packed = kernels.pack_linear(_weight(n, k, 21), fmt)
+    x = _x(150, k, 22)
+    out = kernels.rowinv_linear(x, packed)
+    for i in (0, 5, 63, 64, 65, 127, 128, 149):
+        assert torch.equal(out[i], kernels.rowinv_linear(x[i:i + 1], packed)[0])
+    assert _rel_err(out, F.linear(x, kernels.dequantize(packed))) < 1e-4
+
+
+def test_flush_denormal_mode_is_uniform_across_threads():
+    # Tiny weights produce denormal products; whatever mode the caller uses, all rows/threads agree.
+    n, k = 257, 64
+    packed = kernels.pack_linear(_weight(n, k, 31) * 1e-30, "fp32")
+    x = _x(9, k, 32) * 1e-10
+    for flush in (False, True):
+        if not torch.set_flush_denormal(flush):
+            pytest.skip("flush-denormal not supported on this CPU")
+        try:
+            full = kernels.rowinv_linear(x, packed)
+            for i in range(9):
+                assert torch.equal(full[i], kernels.rowinv_linear(x[i:i + 1], packed)[0])
+            with num_threads(1):
+                assert torch.equal(kernels.rowinv_linear(x, packed), full)
+        finally:
+            torch.set_flush_denormal(False)
+
+
+def test_non_cpu_input_uses_dense_weight_on_that_device():
+    # "meta" stands in for an accelerator: no CPU-only shortcut may be taken for non-CPU inputs.
+    w = _weight(33, 20, 41)
+    for fmt in FMTS:
+        p = kernels.pack_linear(w, fmt)
+        out = kernels.rowinv_linear(torch.empty(4, 20, device="meta"), p, torch.zeros(33))
+        assert out.device.type == "meta" and out.shape == (4, 33)
+
+
+def test_pack_from_half_precision_weights():
+    w = _weight(40, 24, 5)
+    x = _x(3, 24, 6)
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        for fmt in FMTS:
+            p = kernels.pack_linear(w.to(dtype), fmt)
+            assert (p.fmt, p.out_features, p.in_features) == (fmt, 40, 24)
+            assert _rel_err(kernels.rowinv_linear(x, p), F.linear(x, kernels.dequantize(p))) < 1e-4

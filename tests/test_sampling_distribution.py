@@ -1,0 +1,251 @@
+"""Speculative sampling must produce exactly the target's distribution.
+
+Statistical design: every test is a chi-square goodness-of-fit test at significance level ALPHA = 1e-3,
+i.e. a correct sampler fails a given test with probability 1e-3 (its false-positive rate) for a random seed.
+The seeds are fixed, so the outcome is deterministic; the stated rate is what one would see over seeds.
+Categories whose expected count is below 5 are merged (the usual validity rule for the chi-square
+approximation); a sample on a probability-0 category gives p-value 0.
+
+Each test is paired with a deliberately broken sampler (``accept_mask`` patched to accept every draft),
+which must be rejected at the same ALPHA: the tests have the power to see a wrong distribution.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import specdecode.spec.rejection_sampler as rs
+from specdecode.layers.sampler import logits_to_probs
+from specdecode.sampling_params import SamplingParams
+from specdecode.spec.rejection_sampler import rejection_sample
+
+from helpers_spec import llm_cache, one_thread, sharp_draft, sharp_target  # noqa: F401  (fixtures)
+
+ALPHA = 1e-3  # false-positive rate of each test for a correct sampler
+
+SETTINGS = {
+    "t0.7": dict(temperature=0.7),
+    "t1.0-top_p0.9": dict(temperature=1.0, top_p=0.9),
+}
+
+
+def chi2_pvalue(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0) -> float:
+    """Goodness of fit of observed counts to probabilities, rare categories merged."""
+    counts = np.asarray(counts, dtype=np.float64).ravel()
+    probs = np.asarray(probs, dtype=np.float64).ravel()
+    probs = probs / probs.sum()
+    zero = probs <= 0
+    if counts[zero].sum() > 0:
+        return 0.0  # samples on probability-0 tokens: impossible under the hypothesis
+    counts, probs = counts[~zero], probs[~zero]
+    n = counts.sum()
+    expected = n * probs
+    order = np.argsort(expected)
+    small = order[np.cumsum(expected[order]) < min_expected * 2]  # enough rare ones to form a valid bucket
+    small = np.union1d(small, np.flatnonzero(expected < min_expected))
+    big = np.setdiff1d(np.arange(len(expected)), small)
+    obs = list(counts[big])
+    exp = list(expected[big])
+    if small.size:
+        obs.append(counts[small].sum())
+        exp.append(expected[small].sum())
+    obs, exp = np.array(obs), np.array(exp)
+    assert len(obs) >= 2, "degenerate distribution: nothing to test"
+    return float(chisquare(obs, exp * (obs.sum() / exp.sum())).pvalue)
+
+
+def accept_everything(p_target, p_draft, u):
+    return torch.ones_like(p_target, dtype=torch.bool)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# (a) Unit level: rejection_sample on a small vocabulary, drafts drawn from q, many independent trials.
+# ---------------------------------------------------------------------------------------------------------
+V = 8
+N_UNIT = 20000
+
+
+def _tables(params: SamplingParams, seed: int = 0):
+    """Target p1[V], p2[x1, V] (conditional on the first token), p3[V] (bonus row) and draft q1[V], q2[x1, V],
+    all after the same temperature / top-p transform (logits_to_probs), as the engine applies it."""
+    g = torch.Generator().manual_seed(seed)
+    lp1, lp2, lp3 = torch.randn(V, generator=g) * 1.5, torch.randn(V, V, generator=g) * 1.5, torch.randn(V, generator=g)
+    lq1, lq2 = torch.randn(V, generator=g) * 1.5, torch.randn(V, V, generator=g) * 1.5
+    tp = lambda x: logits_to_probs(x.reshape(-1, V), [params] * (x.numel() // V)).reshape(x.shape)  # noqa: E731
+    return tp(lp1), tp(lp2), tp(lp3), tp(lq1), tp(lq2)
+
+
+# The draws' seed. With seed 1, the top-p first-token test of a correct sampler gives p = 8e-4 < ALPHA: one
+# of the 1-in-1000 false positives ALPHA allows (other seeds give p between 0.2 and 0.9 on the same tables).
+DRAW_SEED = 11
+
+
+def _run_unit(params: SamplingParams, seed: int = 0):
+    p1, p2, p3, q1, q2 = _tables(params, seed)
+    g = torch.Generator().manual_seed(DRAW_SEED + seed)
+    d1 = torch.multinomial(q1, N_UNIT, replacement=True, generator=g)
+    d2 = torch.multinomial(q2[d1], 1, generator=g).squeeze(1)
+    target = torch.stack([p1.expand(N_UNIT, V), p2[d1], p3.expand(N_UNIT, V)], dim=1)  # [N, 3, V]
+    draft = torch.stack([q1.expand(N_UNIT, V), q2[d1]], dim=1)                        # [N, 2, V]
+    torch.manual_seed(DRAW_SEED + seed + 1)  # generators=None: the sampler draws from the global generator
+    res = rejection_sample(target, torch.stack([d1, d2], 1), [2] * N_UNIT, draft, [False] * N_UNIT,
+                           [None] * N_UNIT)
+    return (p1, p2, p3, q1, q2), d1, res
+
+
+def _first_token_counts(res) -> np.ndarray:
+    return np.bincount([t[0] for t in res.tokens], minlength=V)
+
+
+def _accepted_joint(res) -> np.ndarray:
+    """Joint counts of (t1, t2) over the trials whose first draft was accepted."""
+    joint = np.zeros((V, V))
+    for toks, a in zip(res.tokens, res.num_accepted):
+        if a >= 1:
+            joint[toks[0], toks[1]] += 1
+    return joint
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_rejection_sampler_follows_target(setting):
+    """First emitted token: t1 ~ p1 whatever q1 is.
+
+    Second emitted token, when the first draft was accepted: given d1 = x accepted, the step continues at
+    position 2 exactly like a fresh step, so t2 ~ p2(. | x). Over the accepted trials, (t1, t2) therefore
+    has the law min(p1, q1)(x) * p2(y | x) / sum_x min(p1, q1)(x), as P(d1 = x, accepted) = q1(x) min(1, p1/q1).
+    """
+    params = SamplingParams(**SETTINGS[setting])
+    (p1, p2, p3, q1, q2), d1, res = _run_unit(params)
+    assert 0.15 < sum(a >= 1 for a in res.num_accepted) / N_UNIT < 0.95  # both branches are exercised
+    assert any(a == 2 for a in res.num_accepted)  # and the bonus-token branch
+    # The draft really differs from the target: the drafts themselves fail the test.
+    assert chi2_pvalue(np.bincount(d1.numpy(), minlength=V), p1.numpy()) < ALPHA
+    pval = chi2_pvalue(_first_token_counts(res), p1.numpy())
+    assert pval > ALPHA, f"first emitted token does not follow the target (p={pval:.2e})"
+    expected = torch.minimum(p1, q1)[:, None] * p2
+    pval = chi2_pvalue(_accepted_joint(res), expected.numpy())
+    assert pval > ALPHA, f"second emitted token does not follow the target (p={pval:.2e})"
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_broken_sampler_is_caught(setting, monkeypatch):
+    monkeypatch.setattr(rs, "accept_mask", accept_everything)
+    params = SamplingParams(**SETTINGS[setting])
+    (p1, p2, p3, q1, q2), d1, res = _run_unit(params)
+    assert all(a == 2 for a in res.num_accepted)
+    pval = chi2_pvalue(_first_token_counts(res), p1.numpy())
+    assert pval < ALPHA, f"the first-token test failed to catch an accept-everything sampler (p={pval:.2e})"
+    expected = torch.minimum(p1, q1)[:, None] * p2
+    pval = chi2_pvalue(_accepted_joint(res), expected.numpy())
+    assert pval < ALPHA, f"the second-token test failed to catch an accept-everything sampler (p={pval:.2e})"
+
+
+def test_one_hot_drafts_follow_target():
+    """N-gram drafts are one-hot (draft_probs=None): whatever token is drafted, t1 ~ p."""
+    params = SamplingParams(temperature=0.7)
+    p1, p2, p3, _, _ = _tables(params, seed=3)
+    g = torch.Generator().manual_seed(4)
+    # A draft distribution that has nothing to do with p: mostly token 0, some uniform.
+    d1 = torch.where(torch.rand(N_UNIT, generator=g) < 0.7, torch.zeros(N_UNIT, dtype=torch.long),
+                     torch.randint(0, V, (N_UNIT,), generator=g))
+    target = torch.stack([p1.expand(N_UNIT, V), p2[d1]], dim=1)
+    torch.manual_seed(5)
+    res = rejection_sample(target, d1[:, None], [1] * N_UNIT, None, [False] * N_UNIT, [None] * N_UNIT)
+    assert chi2_pvalue(_first_token_counts(res), p1.numpy()) > ALPHA
+
+
+def test_greedy_and_random_rows_in_one_batch():
+    """One call mixes greedy rows (accept while draft == argmax, then emit the argmax) and random rows with
+    fewer drafts (num_drafts 1 < K = 2); the random rows still follow the target, and per-request
+    generators make them independent of the batch they are in."""
+    params = SamplingParams(temperature=1.0)
+    p1, p2, p3, q1, q2 = _tables(params, seed=7)
+    a1 = int(p1.argmax())
+    wrong = (a1 + 1) % V
+    onehot = lambda t: torch.zeros(V).index_fill_(0, torch.tensor([t]), 1.0)  # noqa: E731
+    # Greedy rows carry one-hot target rows (logits_to_probs does that for temperature 0).
+    g_target = torch.stack([onehot(a1), onehot(3), onehot(5)])
+    R = 6000
+    g = torch.Generator().manual_seed(8)
+    d1 = torch.multinomial(q1, R, replacement=True, generator=g)
+    target = torch.cat([torch.stack([g_target, g_target]),
+                        torch.stack([p1.expand(R, V), p2[d1], torch.zeros(R, V)], dim=1)])
+    draft_tok = torch.cat([torch.tensor([[a1, 3], [wrong, 3]]), torch.stack([d1, torch.zeros_like(d1)], 1)])
+    draft_probs = torch.cat([torch.zeros(2, 2, V), torch.stack([q1.expand(R, V), torch.zeros(R, V)], dim=1)])
+    gens = [None, None] + [torch.Generator().manual_seed(1000 + i) for i in range(R)]
+    res = rejection_sample(target, draft_tok, [2, 2] + [1] * R, draft_probs, [True, True] + [False] * R, gens)
+    assert res.tokens[0] == [a1, 3, 5] and res.num_accepted[0] == 2
+    assert res.tokens[1] == [a1] and res.num_accepted[1] == 0
+    assert all(len(t) == 1 + a and a <= 1 for t, a in zip(res.tokens[2:], res.num_accepted[2:]))
+    assert chi2_pvalue(np.bincount([t[0] for t in res.tokens[2:]], minlength=V), p1.numpy()) > ALPHA
+    # Same per-request seeds in a different batch -> the same tokens.
+    sub = slice(2, 9)
+    gens2 = [torch.Generator().manual_seed(1000 + i) for i in range(7)]
+    res2 = rejection_sample(target[sub], draft_tok[sub], [1] * 7, draft_probs[sub], [False] * 7, gens2)
+    assert res2.tokens == res.tokens[sub]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# (b) End to end through LLM: a sharpened tiny llama target, a noisy copy of it as the draft.
+# ---------------------------------------------------------------------------------------------------------
+PROMPT = [17, 42, 99, 17, 42, 7]
+K_E2E = 1         # max_tokens = K + 2 lets the second step draft K tokens (the budget keeps room for a bonus)
+N_E2E = 2000      # samples per setting for the correct sampler
+N_BROKEN = 300    # the broken sampler is far off (p < 1e-4 already at 200 samples in both settings)
+
+
+def _target_marginals(model_dir, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """p(x1) and sum_x1 p(x1) p(x2 | x1), from our own target's logits with the same sampling transform."""
+    from specdecode.engine.model_runner import ModelRunner
+    from specdecode.models.loader import load_model
+
+    runner = ModelRunner(load_model(model_dir, "float32", "cpu", 64, None), 1, 64, "cpu")
+    p1 = logits_to_probs(runner.prefill(0, PROMPT)[None], [params])[0].double()
+    marg = torch.zeros_like(p1)
+    L = len(PROMPT)
+    for x1 in torch.nonzero(p1 > 1e-9).flatten().tolist():  # the rest carries < 512e-9 of the mass
+        logits = runner.forward_rows([(0, L, [x1])], all_logits=True)[0]
+        marg += p1[x1] * logits_to_probs(logits, [params])[0].double()
+    return p1.numpy(), marg.numpy()
+
+
+def _sample(llm, params: SamplingParams, n: int, seed0: int) -> tuple[np.ndarray, np.ndarray]:
+    """Counts of the 1st and the 2nd generated token over n independent requests (one seed each)."""
+    sps = [params.clone(seed=seed0 + i, max_tokens=K_E2E + 2, ignore_eos=True) for i in range(n)]
+    outs = llm.generate(prompt_token_ids=[PROMPT] * n, sampling_params=sps, use_tqdm=False)
+    V_ = llm.engine.target.vocab_size
+    first = np.bincount([o.outputs[0].token_ids[0] for o in outs], minlength=V_)
+    second = np.bincount([o.outputs[0].token_ids[1] for o in outs], minlength=V_)
+    return first, second
+
+
+@pytest.fixture(scope="module")
+def e2e_llm(one_thread, llm_cache, sharp_target, sharp_draft):
+    return llm_cache.get(sharp_target, speculative_model=sharp_draft, num_speculative_tokens=K_E2E,
+                         max_model_len=64, max_num_seqs=16)
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_end_to_end_second_token_marginal(setting, e2e_llm, sharp_target, monkeypatch):
+    """Through LLM.generate: the 2nd generated token is the first one the rejection sampler emits (the 1st
+    comes from the prefill). Its law must be the target's marginal sum_x1 p(x1) p(x2 | x1)."""
+    params = SamplingParams(**SETTINGS[setting])
+    p1, marg = _target_marginals(sharp_target, params)
+    stats = e2e_llm.spec_decode_metrics
+    before = stats.num_accepted_tokens, stats.num_draft_tokens
+    first, second = _sample(e2e_llm, params, N_E2E, seed0=0)
+    acc, drafted = stats.num_accepted_tokens - before[0], stats.num_draft_tokens - before[1]
+    assert drafted >= N_E2E  # every request was verified with a draft
+    assert 0.2 < acc / drafted < 0.9, f"acceptance {acc / drafted:.2f}: the draft should differ, yet be useful"
+    pval = chi2_pvalue(first, p1)
+    assert pval > ALPHA, f"1st token (plain sampling) does not follow the target (p={pval:.2e})"
+    pval = chi2_pvalue(second, marg)
+    assert pval > ALPHA, f"2nd token of speculative sampling does not follow the target (p={pval:.2e})"
+
+    # The same check catches a sampler that accepts every draft token.
+    monkeypatch.setattr(rs, "accept_mask", accept_everything)
+    _, broken = _sample(e2e_llm, params, N_BROKEN, seed0=10**6)
+    pval = chi2_pvalue(broken, marg)
+    assert pval < ALPHA, f"the broken sampler went unnoticed (p={pval:.2e})"

@@ -1,0 +1,486 @@
+"""The OpenAI-compatible server, end to end: real uvicorn on 127.0.0.1, the official openai client, httpx."""
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from specdecode import LLM, SamplingParams
+from specdecode.entrypoints.openai.api_server import build_app
+
+MAX_LEN = 512
+MODEL = "tiny-llama"
+
+
+@contextlib.contextmanager
+def serve(app):
+    """Runs uvicorn in a thread on a free port; yields the base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    t.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert time.time() < deadline and t.is_alive(), "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        t.join(15)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def engine_kwargs(tiny_models, tiny_draft):
+    return {"model": str(tiny_models["llama"]), "speculative_model": str(tiny_draft), "num_speculative_tokens": 3,
+            "max_model_len": MAX_LEN, "max_num_seqs": 8, "max_waiting_requests": 64}
+
+
+@pytest.fixture(scope="module")
+def url(engine_kwargs):
+    with serve(build_app(engine_kwargs, MODEL, None)) as u:
+        yield u
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline(engine_kwargs):
+    return LLM(**engine_kwargs)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value} (model_name label dropped)."""
+    out = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        key, val = line.rsplit(" ", 1)
+        key = re.sub(r'model_name="[^"]*",?', "", key).replace("{}", "").replace(",}", "}")
+        out[key] = float(val)
+    return out
+
+
+def sse_events(resp: httpx.Response) -> list:
+    events = []
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            data = line[6:]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+PROMPTS = ["The quick brown fox", "def add(a, b):", "Once upon a time", "Speculative decoding drafts"]
+
+
+# ---------------------------------------------------------------- basics
+def test_models_and_health(url, client):
+    assert httpx.get(f"{url}/health").status_code == 200
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].max_model_len == MAX_LEN
+
+
+def test_completion_greedy_matches_offline(client, offline):
+    want = offline.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    for prompt, w in zip(PROMPTS, want):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+        assert r.choices[0].text == w.outputs[0].text
+        assert r.usage.completion_tokens == len(w.outputs[0].token_ids)
+        assert r.usage.prompt_tokens == len(w.prompt_token_ids)
+        assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+        assert r.choices[0].finish_reason in ("stop", "length")
+        spec = r.model_extra["spec_decode"]
+        assert spec["drafted"] > 0 and 0 <= spec["accepted"] <= spec["drafted"]
+    # a list of prompts in one request: one choice per prompt, in order
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=24, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == [w.outputs[0].text for w in want[:2]]
+    # token-id prompts
+    ids = list(want[0].prompt_token_ids)
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0)
+    assert r.choices[0].text == want[0].outputs[0].text
+
+
+def test_chat_greedy_matches_offline(client, offline):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]
+    want = offline.chat(messages, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want.outputs[0].text
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert r.usage.completion_tokens == len(want.outputs[0].token_ids)
+    assert "spec_decode" in r.model_extra
+    # max_completion_tokens wins over max_tokens; content parts are joined
+    parts = [{"type": "text", "text": "Tell me "}, {"type": "text", "text": "a story."}]
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts}], max_tokens=50,
+                                       max_completion_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 5
+
+
+def test_streaming_equals_plain(client):
+    for prompt in PROMPTS[:2]:
+        plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0)
+        chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.choices[0].finish_reason
+        assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == plain.usage.model_dump()
+        assert chunks[-1].model_extra["spec_decode"]["drafted"] > 0
+
+    messages = [{"role": "user", "content": "Hello there"}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.choices[0].message.content
+    # without include_usage the final chunk still carries usage and the spec-decode summary
+    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert "spec_decode" in chunks[-1].model_extra
+
+
+def test_sse_wire_format(url):
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 5, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(resp)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["usage"]["completion_tokens"] == 5 and events[-2]["choices"] == []
+    assert all(e["object"] == "text_completion" for e in events[:-1])
+
+
+def test_n2_and_seed(client):
+    r = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=12, n=2, temperature=1.0, seed=7,
+                                  extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert all(len(c.text) > 0 and c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 24
+    again = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=12, n=2, temperature=1.0, seed=7,
+                                      extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]  # seeded sampling reproduces
+    # two prompts x n=2: indices prompt*n + i
+    r = client.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=4, n=2, temperature=0)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=10, n=2, temperature=0.8, seed=3, stream=True,
+                                                 stream_options={"include_usage": True}))
+    texts, finished = {0: "", 1: ""}, set()
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                finished.add(ch.index)
+    assert finished == {0, 1}
+    assert chunks[-1].usage.completion_tokens > 0
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=10, n=2, temperature=0.8, seed=3)
+    assert [texts[0], texts[1]] == [c.message.content for c in plain.choices]
+
+
+def test_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt="The quick", max_tokens=8, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens
+    for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert val <= 0 and 1 <= len(top) <= 4  # partial-UTF-8 tokens may share the string "\ufffd"
+        assert abs(max(top.values()) - val) < 1e-5  # greedy: the chosen token is the most likely one
+
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for item in content:
+        assert len(item.top_logprobs) == 2
+        assert abs(item.top_logprobs[0].logprob - item.logprob) < 1e-5
+        assert item.bytes == list(item.token.encode())
+    # streamed logprobs add up to the same entries
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
+                                                 stream=True))
+    streamed = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
+    assert [(x.token, round(x.logprob, 4)) for x in streamed] == [(x.token, round(x.logprob, 4)) for x in content]
+
+
+def test_stop_strings(client):
+    base = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=40, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    assert len(base) > 12
+    stop = base[8:11]
+    want = base[:base.find(stop)]
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=40, temperature=0, stop=[stop],
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].model_extra["stop_reason"] == stop
+    chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=40, temperature=0,
+                                            stop=stop, stream=True, extra_body={"ignore_eos": True}))
+    # the stream never leaks a partial stop string that the final text drops
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+# ---------------------------------------------------------------- continuous batching
+def test_concurrent_streams_match_alone_and_metrics_add_up(url, client):
+    jobs = [(f"{PROMPTS[i % 4]} {'and more ' * (i % 5)}#{i}", 6 + 5 * (i % 7)) for i in range(16)]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=m, temperature=0).choices[0].text
+             for p, m in jobs]
+    before = scrape(url)
+
+    def run(job):
+        p, m = job
+        text, usage, spec, finish = "", None, None, None
+        for c in client.completions.create(model=MODEL, prompt=p, max_tokens=m, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}):
+            if c.choices:
+                text += c.choices[0].text
+                finish = c.choices[0].finish_reason or finish
+            if c.usage is not None:
+                usage, spec = c.usage, c.model_extra["spec_decode"]
+        return text, usage, spec, finish
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(run, jobs))
+    after = scrape(url)
+
+    assert len(results) == 16
+    for (text, usage, spec, finish), want in zip(results, alone):
+        assert finish in ("stop", "length") and usage is not None
+        assert text == want
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert d['specdecode:request_success_total{finished_reason="stop"}'] + \
+        d['specdecode:request_success_total{finished_reason="length"}'] == 16
+    assert d['specdecode:request_success_total{finished_reason="abort"}'] == 0
+    assert d["specdecode:prompt_tokens_total"] == sum(r[1].prompt_tokens for r in results)
+    assert d["specdecode:generation_tokens_total"] == sum(r[1].completion_tokens for r in results)
+    assert d["specdecode:spec_decode_num_drafts_total"] == sum(r[2]["drafts"] for r in results)
+    assert d["specdecode:spec_decode_num_draft_tokens_total"] == sum(r[2]["drafted"] for r in results)
+    assert d["specdecode:spec_decode_num_accepted_tokens_total"] == sum(r[2]["accepted"] for r in results)
+    per_pos = sum(v for k, v in d.items() if k.startswith("specdecode:spec_decode_num_accepted_tokens_per_pos"))
+    assert per_pos == d["specdecode:spec_decode_num_accepted_tokens_total"]
+    assert d["specdecode:time_to_first_token_seconds_count"] == 16
+    assert d["specdecode:e2e_request_latency_seconds_count"] == 16
+    assert d["specdecode:inter_token_latency_seconds_count"] > 0
+    assert after["specdecode:num_requests_running"] == 0
+
+
+def test_client_disconnect_aborts_and_others_continue(url, client):
+    before = scrape(url)
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": MAX_LEN - 20, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool:
+        other = pool.submit(lambda: client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=40,
+                                                              temperature=0, extra_body={"ignore_eos": True}))
+        with httpx.Client(timeout=30) as h:
+            with h.stream("POST", f"{url}/v1/completions", json=body) as resp:
+                first = next(line for line in resp.iter_lines() if line.startswith("data: "))
+                assert json.loads(first[6:])["choices"]
+            # leaving the block closes the connection mid-stream
+        assert other.result(timeout=60).usage.completion_tokens == 40
+    key = 'specdecode:request_success_total{finished_reason="abort"}'
+    deadline = time.time() + 20
+    while True:
+        m = scrape(url)
+        if m[key] - before.get(key, 0) >= 1 and m["specdecode:num_requests_running"] == 0:
+            break
+        assert time.time() < deadline, "the disconnected request was not aborted"
+        time.sleep(0.1)
+    assert m[key] - before.get(key, 0) == 1
+    # a plain (non-streaming) request whose client gives up is aborted too
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=0.5)
+    while scrape(url)[key] - before.get(key, 0) < 2:
+        assert time.time() < deadline + 20, "the timed-out request was not aborted"
+        time.sleep(0.1)
+    # its slot is free again: the server still serves
+    r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4)
+    assert r.usage.completion_tokens >= 1
+
+
+# ---------------------------------------------------------------- errors
+def _err(resp: httpx.Response, status: int, code: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    if code is not None:
+        assert body["error"]["code"] == code
+    return body["error"]
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "x", "top_k": -5}, "top_k"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 50}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "n": "many"}, "n"),
+    ("/v1/completions", {"max_tokens": 3}, "prompt"),
+    ("/v1/completions", {"prompt": {"text": "x"}}, "prompt"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2, 99999]}, None),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1},
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+])
+def test_invalid_params_400(url, path, body, param):
+    err = _err(httpx.post(f"{url}{path}", json={"model": MODEL, **body}), 400)
+    assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param or (err["param"] or "").startswith(param), err
+
+
+def test_malformed_json_and_too_long_prompt(url, client):
+    _err(httpx.post(f"{url}/v1/completions", content=b'{"prompt": "x",', headers={"content-type": "application/json"}),
+         400, "invalid_json")
+    _err(httpx.post(f"{url}/v1/chat/completions", content=b"not json", headers={"content-type": "application/json"}),
+         400, "invalid_json")
+    err = _err(httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": [5] * (MAX_LEN + 10)}), 400,
+               "context_length_exceeded")
+    assert str(MAX_LEN) in err["message"]
+    _err(httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": [
+        {"role": "user", "content": "fox " * (MAX_LEN * 2)}]}), 400, "context_length_exceeded")
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=[5] * (MAX_LEN + 10), stream=True)
+
+
+def test_unknown_model_and_route_404(url, client):
+    _err(httpx.post(f"{url}/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404, "model_not_found")
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
+    _err(httpx.get(f"{url}/v1/nothing-here"), 404)
+    _err(httpx.get(f"{url}/v1/completions"), 405)
+
+
+def test_api_key_and_queue_full(engine_kwargs):
+    kw = dict(engine_kwargs, max_num_seqs=1, max_waiting_requests=1)
+    with serve(build_app(kw, MODEL, "sekret")) as url:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+            _err(httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x"}, headers=headers), 401,
+                 "invalid_api_key")
+        _err(httpx.get(f"{url}/v1/models"), 401)
+        # the key check comes first, whatever the body
+        _err(httpx.post(f"{url}/v1/completions", content=b"{", headers={"content-type": "application/json"}), 401)
+        assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/metrics").status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="bad", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=f"{url}/v1", api_key="sekret", max_retries=0, timeout=60)
+        assert good.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens >= 1
+
+        # one slot and a waiting queue of one: a long stream runs, a second request waits, a third gets 503
+        auth = {"Authorization": "Bearer sekret"}
+        long_body = {"model": MODEL, "prompt": "Once", "max_tokens": MAX_LEN - 10, "stream": True,
+                     "ignore_eos": True}
+        with ThreadPoolExecutor(1) as pool, httpx.Client(timeout=60, headers=auth) as h:
+            with h.stream("POST", f"{url}/v1/completions", json=long_body) as running:
+                assert running.status_code == 200, running.read()
+                lines = running.iter_lines()
+                next(lines)
+                waiting = pool.submit(good.completions.create, model=MODEL, prompt="y", max_tokens=3)
+                deadline = time.time() + 10
+                while scrape(url)["specdecode:num_requests_waiting"] < 1:
+                    assert time.time() < deadline
+                    time.sleep(0.02)
+                _err(h.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "z"}), 503, "queue_full")
+                with pytest.raises(openai.InternalServerError) as e:
+                    good.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "z"}])
+                assert e.value.status_code == 503
+            assert waiting.result(timeout=60).usage.completion_tokens == 3  # the aborted stream freed the slot
+        m = scrape(url)
+        assert m['specdecode:request_errors_total{status="503"}'] == 2
+        assert m['specdecode:request_errors_total{status="401"}'] >= 5
+
+
+# ---------------------------------------------------------------- the real process
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _server_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "specdecode.entrypoints.openai.api_server", *args]
+
+
+def test_bad_startup_exits_2_with_one_line(tiny_models, tmp_path, capsys):
+    from specdecode.entrypoints.openai.api_server import main
+
+    # the real process, once: no traceback, one line, exit code 2
+    p = subprocess.run(_server_cmd("--model", str(tmp_path / "missing")), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    lines = [x for x in p.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "error" in lines[0] and "missing" in lines[0], p.stderr
+    # the same entry point in-process for the other bad settings
+    for args in (["--model", str(tiny_models["llama"]), "--speculative-config", "{not json"],
+                 ["--model", str(tiny_models["llama"]), "--speculative-model", "[ngram]",
+                  "--num-speculative-tokens", "0"],
+                 ["--model", str(tiny_models["llama"]), "--max-num-seqs", "0"],
+                 ["--model", str(tiny_models["llama"]), "--no-such-flag"],
+                 ["--model", str(tiny_models["llama"]), "--port", "99999"]):
+        with pytest.raises(SystemExit) as e:
+            main(args)
+        assert e.value.code == 2
+        err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+        assert len(err) == 1 and "error" in err[0] and "Traceback" not in err[0], (args, err)
+
+
+def test_sigterm_graceful_shutdown(tiny_models):
+    port = _free_port()
+    proc = subprocess.Popen(_server_cmd("--model", str(tiny_models["llama"]), "--speculative-model", "[ngram]",
+                                        "--num-speculative-tokens", "3", "--port", str(port), "--max-model-len",
+                                        str(MAX_LEN), "--served-model-name", MODEL, "--max-num-seqs", "2"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            assert time.time() < deadline
+            time.sleep(0.1)
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 120, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as resp:
+            lines = resp.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        events = [json.loads(x[6:]) for x in [first] + rest if x != "data: [DONE]"]
+        # the in-flight request either finished or got an error event; either way the stream ended cleanly
+        assert rest[-1] == "data: [DONE]"
+        assert "error" in events[-1] or events[-1]["choices"][-1]["finish_reason"] == "length"
+        assert proc.wait(timeout=30) == 0
+        with socket.socket() as s:  # the port is released
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
