@@ -395,7 +395,6 @@ def test_tokenizer_from_gguf(which):
     assert prompt.endswith("<|im_start|>assistant\n")
 
 
-@pytest.mark.skipif(not SLOW, reason="set SPECDECODE_SLOW_TESTS=1 (assembles the 1.1 GB target)")
 def test_target_tokenizer_and_config():
     from specdecode.models.default_models import default_model_path
 

@@ -1,6 +1,7 @@
 """Row-invariant CPU linear kernel: bitwise row invariance, accuracy, fallback path."""
 from __future__ import annotations
 
+import logging
 import contextlib
 
 import pytest
@@ -178,6 +179,8 @@ def test_build_failure_falls_back_with_one_warning(monkeypatch, caplog):
     monkeypatch.setattr(kernels, "_ext", None)
     monkeypatch.setattr(kernels, "_build_failed", False)
     monkeypatch.setattr(kernels, "_load_extension", boom)
+    # An in-process CLI test may have detached the package logger from the root; caplog listens there.
+    monkeypatch.setattr(logging.getLogger("specdecode"), "propagate", True)
     packed = kernels.pack_linear(_weight(64, 72, 1), "int8")
     x = _x(5, 72, 2)
     with caplog.at_level("WARNING", logger=kernels.__name__):

@@ -709,8 +709,20 @@ def build_parser(with_serve: bool = False) -> argparse.ArgumentParser:
     return parser
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at emit time, so a replaced or closed stream is never kept."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def _setup_logging(verbose: bool) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("%(levelname_lower)s: %(message)s"))
     handler.addFilter(_lower_level)
     root = logging.getLogger("specdecode")
