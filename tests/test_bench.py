@@ -139,6 +139,17 @@ def test_bench_spec_bench_json_and_plots(tiny_models, tiny_draft, spec_bench_fil
         assert m["speedup"] == pytest.approx(m["decode_tokens_per_s"] / r["overall"]["baseline"]["decode_tokens_per_s"])
     assert r["overall"]["draft k=2"]["model_memory_mb"] > r["overall"]["ngram k=2"]["model_memory_mb"]
     assert len(r["runs"]) == 4 * len(names)
+    # Bandwidth: the baseline streams the target's weights once per decoded token (the first token comes
+    # from the prefill); draft configs also stream the draft's weights once per draft step.
+    wb = r["meta"]["weight_bytes"]
+    assert r["meta"]["memory_bandwidth_gbps"] > 0 and wb["target"] > 0 and wb["draft"] > 0
+    for run in r["runs"]:
+        if run["config"] == "baseline":
+            assert run["weight_bytes_read"] == (run["output_tokens"] - 1) * wb["target"]
+    for name in names:
+        m = r["overall"][name]
+        assert m["weight_read_gbps"] > 0
+        assert m["bandwidth_utilization"] == pytest.approx(m["weight_read_gbps"] / r["meta"]["memory_bandwidth_gbps"])
     for png in ("speedup_per_category.png", "acceptance_per_position.png", "tokens_per_s_vs_k.png"):
         data = (plots / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000

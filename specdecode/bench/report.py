@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 OVERALL = "overall"
 
 
-def _aggregate(runs: list["PromptRun"], cfg: "BenchConfig", model_mb: float | None) -> dict:
+def _aggregate(runs: list["PromptRun"], cfg: "BenchConfig", model_mb: float | None,
+               bandwidth_gbps: float | None = None) -> dict:
     dec_tokens = sum(max(0, r.num_output_tokens - 1) for r in runs)
     dec_time = sum(r.decode_time_s for r in runs)
     spec = SpecDecodeStats()
@@ -33,6 +34,7 @@ def _aggregate(runs: list["PromptRun"], cfg: "BenchConfig", model_mb: float | No
     ttfts = [r.ttft_s for r in runs]
     mism = [r for r in runs if r.match_baseline is False]
     speculative = cfg.method is not None
+    weight_gbps = sum(r.weight_bytes_read for r in runs) / dec_time / 1e9 if dec_time > 0 else None
     return {
         "config": cfg.name, "method": cfg.method or "none", "k": cfg.k,
         "num_prompts": len(runs),
@@ -52,6 +54,8 @@ def _aggregate(runs: list["PromptRun"], cfg: "BenchConfig", model_mb: float | No
         "draft_prefill_mean_s": statistics.fmean(r.draft_prefill_s for r in runs) if runs else None,
         "e2e_latency_mean_s": statistics.fmean(r.e2e_s for r in runs) if runs else None,
         "inter_token_latency_ms": 1000 * dec_time / dec_tokens if dec_tokens else None,
+        "weight_read_gbps": weight_gbps,
+        "bandwidth_utilization": weight_gbps / bandwidth_gbps if weight_gbps is not None and bandwidth_gbps else None,
         "peak_rss_mb": max((r.peak_rss_mb for r in runs), default=None),
         "model_memory_mb": model_mb,
         "greedy_mismatches": len(mism),
@@ -77,7 +81,8 @@ def summarize(runs: list["PromptRun"], configs: list["BenchConfig"], categories:
     used_cats = [c for c in categories if any(r.category == c for r in runs)]
 
     def group(rs: list) -> dict[str, dict]:
-        return _with_speedup({c.name: _aggregate([r for r in rs if r.config == c.name], c, model_mb.get(c.method))
+        return _with_speedup({c.name: _aggregate([r for r in rs if r.config == c.name], c, model_mb.get(c.method),
+                                                 meta.get("memory_bandwidth_gbps"))
                               for c in configs})
 
     return {
@@ -122,11 +127,13 @@ def _row(label: str, m: dict, greedy: bool) -> list[str]:
             _fmt(None if m["acceptance_rate"] is None else 100 * m["acceptance_rate"], ".1f"),
             _fmt(m["mean_acceptance_length"]),
             _fmt(None if m["ttft_mean_s"] is None else 1000 * m["ttft_mean_s"], ".0f"),
+            _fmt(m["weight_read_gbps"], ".1f") + (f" ({100 * m['bandwidth_utilization']:.0f}%)"
+                                                  if m.get("bandwidth_utilization") is not None else ""),
             _fmt(m["peak_rss_mb"], ".0f"), _fmt(m["model_memory_mb"], ".0f"), _match(m, greedy)]
 
 
 _HEADERS = ["category", "config", "n", "decode tok/s", "speedup", "accept %", "mean len", "TTFT ms",
-            "peak RSS MB", "model MB", "greedy vs baseline"]
+            "weight GB/s (of peak)", "peak RSS MB", "model MB", "greedy vs baseline"]
 
 
 def format_report(result: dict) -> str:
@@ -138,11 +145,11 @@ def format_report(result: dict) -> str:
         for m in result["per_category"][cat].values():
             rows.append(_row(cat, m, greedy))
     if len(result["categories"]) > 1:
-        parts.append("Per category\n" + _table(_HEADERS, rows, right=set(range(2, 10))))
+        parts.append("Per category\n" + _table(_HEADERS, rows, right=set(range(2, 11))))
     rows = []
     for m in result["overall"].values():
         rows.append(_row(OVERALL, m, greedy))
-    parts.append("Overall\n" + _table(_HEADERS, rows, right=set(range(2, 10))))
+    parts.append("Overall\n" + _table(_HEADERS, rows, right=set(range(2, 11))))
     spec_cfgs = [m for m in result["overall"].values() if m["per_position_acceptance"]]
     if spec_cfgs:
         kmax = max(len(m["per_position_acceptance"]) for m in spec_cfgs)
@@ -155,7 +162,9 @@ def format_report(result: dict) -> str:
             f"dataset: {meta.get('dataset')} ({meta.get('dataset_format')}, {meta.get('num_prompts_used')} prompts)"
             f"   max_tokens: {meta.get('max_tokens')}   "
             + ("greedy" if greedy else f"temperature {meta.get('temperature')}")
-            + f"   threads: {meta.get('threads')}   load: {_fmt(meta.get('load_time_s'), '.1f')} s")
+            + f"   threads: {meta.get('threads')}   load: {_fmt(meta.get('load_time_s'), '.1f')} s"
+            + f"\nmemory bandwidth (sum of a 1 GiB buffer): {_fmt(meta.get('memory_bandwidth_gbps'), '.1f')} GB/s;"
+            " weight GB/s = linear weights streamed by decode/verify passes / decode time")
     return head + "\n\n" + "\n\n".join(parts)
 
 

@@ -98,6 +98,7 @@ class PromptRun:
     spec: SpecDecodeStats
     peak_rss_mb: float
     draft_prefill_s: float = 0.0
+    weight_bytes_read: int = 0  # weights streamed by the decode/verify passes of target and draft
     match_baseline: bool | None = None
     first_diff_position: int | None = None
 
@@ -112,6 +113,7 @@ class PromptRun:
                 "ttft_s": self.ttft_s, "draft_prefill_s": self.draft_prefill_s, "decode_time_s": self.decode_time_s,
                 "e2e_latency_s": self.e2e_s,
                 "decode_tokens_per_s": (n - 1) / self.decode_time_s if n > 1 and self.decode_time_s > 0 else None,
+                "weight_bytes_read": self.weight_bytes_read,
                 "peak_rss_mb": self.peak_rss_mb, "match_baseline": self.match_baseline,
                 "first_diff_position": self.first_diff_position, "spec_decode": self.spec.as_dict(),
                 "output_token_ids": self.output_token_ids}
@@ -179,6 +181,39 @@ def module_bytes(module) -> int:
     return total
 
 
+def linear_weight_bytes(model) -> int:
+    """Bytes of the weights one decode pass streams from memory: every linear layer (as stored: packed int8
+    plus scales, bf16 or fp32). The embedding table is left out, since a pass reads one row of it."""
+    from specdecode.layers.linear import Linear
+
+    total = 0
+    for m in model.modules():
+        if not isinstance(m, Linear):
+            continue
+        if m.packed is not None:
+            total += m.packed.weight.nbytes + (m.packed.scale.nbytes if m.packed.scale is not None else 0)
+        elif m.weight is not None:
+            total += m.weight.nbytes
+        if m.bias is not None:
+            total += m.bias.nbytes
+    return total
+
+
+def measure_memory_bandwidth(mib: int = 1024, repeats: int = 5) -> float:
+    """The machine's read bandwidth in GB/s as torch sees it: best time to sum a buffer far larger than any
+    cache, on the current thread count. The ceiling that decode (weight streaming) can reach."""
+    import torch
+
+    buf = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    buf.sum()  # touch every page before timing
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return buf.nbytes / best / 1e9
+
+
 class DraftPrefillTimer:
     """Wraps a draft-model proposer so that the draft's prefill of a new request is timed on its own.
 
@@ -238,6 +273,7 @@ class BenchRunner:
                       ngram_prompt_lookup_min=s.ngram_min, ngram_prompt_lookup_max=s.ngram_max)
         eng = self.engine = LLMEngine.from_kwargs(**kw)
         target_mb = module_bytes(eng.target.model) / 2**20
+        self._weight_bytes = {"target": linear_weight_bytes(eng.target.model)}
         self._proposers = {None: None, "ngram": NgramProposer(s.ngram_min, s.ngram_max)}
         self._model_mb = {None: target_mb, "ngram": target_mb}
         if need_draft:
@@ -245,6 +281,9 @@ class BenchRunner:
             self.draft_path = getattr(eng, "draft_path", None)
             runner = getattr(eng.proposer, "runner", None)
             self._model_mb["draft"] = target_mb + (module_bytes(runner.model) / 2**20 if runner else 0.0)
+            if runner is not None:
+                self._weight_bytes["draft"] = linear_weight_bytes(runner.model)
+        self.memory_bandwidth_gbps = measure_memory_bandwidth()
         from specdecode.config import SpeculativeConfig
         base = eng.config.speculative
         for c in self.configs:
@@ -287,6 +326,8 @@ class BenchRunner:
         timer = eng.proposer if isinstance(eng.proposer, DraftPrefillTimer) else None
         if timer is not None:
             timer.elapsed = 0.0
+        draft_runner = getattr(timer, "runner", None)
+        passes0 = (eng.target.num_passes, draft_runner.num_passes if draft_runner is not None else 0)
         t0 = time.perf_counter()
         eng.add_request(rid, None, params, prompt_token_ids=ids)
         t_first = t_end = None
@@ -309,9 +350,12 @@ class BenchRunner:
         c = final.outputs[0]
         spec = final.metrics.spec_decode if final.metrics is not None else SpecDecodeStats()
         draft_prefill = timer.elapsed if timer is not None else 0.0
+        read = (eng.target.num_passes - passes0[0]) * self._weight_bytes["target"]
+        if draft_runner is not None:
+            read += (draft_runner.num_passes - passes0[1]) * self._weight_bytes.get("draft", 0)
         return PromptRun(prompt_id, category, cfg.name, len(ids), list(c.token_ids), t_first - t0,
                          max(0.0, t_end - t_first - draft_prefill), t_end - t0, c.finish_reason, spec, peak,
-                         draft_prefill_s=draft_prefill)
+                         draft_prefill_s=draft_prefill, weight_bytes_read=read)
 
     # ---- the whole run ----
     def run(self, dataset: Dataset) -> dict:
@@ -379,6 +423,10 @@ class BenchRunner:
             "timing_note": "decode tokens/s = (output tokens - 1) / (last token time - first token time - draft "
                            "prefill time); TTFT = first token time - request time",
             "process_peak_rss_mb": _max_rss_mb(), "memory_note": MEMORY_NOTE,
+            "memory_bandwidth_gbps": self.memory_bandwidth_gbps,
+            "weight_bytes": self._weight_bytes,
+            "bandwidth_note": "weight GB/s = linear-layer bytes streamed by the decode/verify passes of target "
+                              "and draft / decode time; memory_bandwidth_gbps = best time to sum a 1 GiB buffer",
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
 

@@ -20,6 +20,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         a = self.model.args
         self.vocab_size = a.vocab_size
+        self.num_passes = 0  # decode/verify forward passes; the bench turns them into weight bytes read
         cache_dtype = torch.float32 if self.device.type == "cpu" else self.model.embed_tokens.weight.dtype
         shape = (max_num_seqs, a.num_kv_heads, max_model_len, a.head_dim)
         for m in self.model.modules():
@@ -56,5 +57,6 @@ class ModelRunner:
                 rows.append(base + len(toks) - 1)
         b = ForwardBatch(self._tensor(ids), self._tensor(pos), self._tensor(slots), slots, pos,
                          prefill=False, logits_rows=self._tensor(rows))
+        self.num_passes += 1
         logits = self.model(b)
         return [logits[s:s + n] for s, n in spans]
