@@ -189,3 +189,16 @@ def test_default_pair_speculative_greedy_equals_plain(one_thread):
     assert ngram_ids == plain_ids
     assert sum(s.num_accepted_tokens for s in draft_stats) > 0  # the real draft agrees with the target often
     assert sum(s.num_draft_tokens for s in ngram_stats) > 0
+
+
+def test_draft_p_min_stops_drafting_early_and_stays_exact(plain, llm_cache, tiny_models, noisy_drafts):
+    batched, _ = plain("llama")
+    drafted = {}
+    for p_min in (0.0, 0.99):
+        llm = llm_cache.get(tiny_models["llama"], speculative_model=noisy_drafts["llama"],
+                            num_speculative_tokens=8, speculative_draft_p_min=p_min)
+        outs = _generate(llm, PROMPTS, max_tokens=MAX_TOKENS, **GREEDY)
+        assert [list(o.outputs[0].token_ids) for o in outs] == batched
+        drafted[p_min] = sum(o.metrics.spec_decode.num_draft_tokens for o in outs)
+    # A random tiny draft is almost never 99% sure of a token, so drafts stop after their first token.
+    assert drafted[0.99] < drafted[0.0]

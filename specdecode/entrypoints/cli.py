@@ -124,6 +124,9 @@ def _add_model_flags(p: argparse.ArgumentParser, draft_help: str, with_k: bool =
                        default=5, help="tokens drafted per step, 1..16 (default 5)")
     g.add_argument("--adaptive", action="store_true",
                    help="choose k per step (up to the given k) from measured acceptance and costs")
+    g.add_argument("--draft-p-min", type=_float_in(0.0, 1.0), default=0.0, metavar="P",
+                   help="stop drafting once the draft model's top probability falls below P (llama.cpp's "
+                        "--draft-p-min; default 0: always draft k tokens)")
     g.add_argument("--ngram-min", type=_int_at_least(1), default=1, metavar="N",
                    help="n-gram drafting: shortest suffix to look up (default 1)")
     g.add_argument("--ngram-max", type=_int_at_least(1), default=4, metavar="N",
@@ -206,6 +209,8 @@ def _engine_kwargs(args, k: int | None) -> dict:
         kw.update(speculative_model=draft, num_speculative_tokens=k)
         if args.adaptive:
             kw["speculative_adaptive"] = True
+        if args.draft_p_min:
+            kw["speculative_draft_p_min"] = args.draft_p_min
         if draft == "[ngram]":
             if args.ngram_min > args.ngram_max:
                 raise CLIError(f"--ngram-min ({args.ngram_min}) must not exceed --ngram-max ({args.ngram_max})")
@@ -520,7 +525,7 @@ def cmd_bench(args) -> int:
         ignore_eos=args.ignore_eos, chat_template=args.chat_template, ngram_min=args.ngram_min,
         ngram_max=args.ngram_max, dtype=args.dtype, quantization=args.quantization, num_threads=args.threads,
         max_model_len=args.max_model_len, warmup=not args.no_warmup, progress=not args.no_progress,
-        adaptive=args.adaptive)
+        adaptive=args.adaptive, draft_p_min=args.draft_p_min)
     from specdecode.sampling_params import SamplingParams
     SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)  # validate early
     runner = BenchRunner(settings)
