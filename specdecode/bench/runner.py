@@ -255,6 +255,7 @@ class BenchRunner:
         self._proposers: dict[str | None, object] = {}
         self._spec: dict[str, object] = {}
         self._model_mb: dict[str | None, float] = {}
+        self._costs: dict[str, object] = {}
         self.draft_path = None
 
     # ---- setup ----
@@ -301,8 +302,12 @@ class BenchRunner:
         self.use_chat = has_template if s.chat_template == "auto" else s.chat_template == "on"
 
     def _activate(self, cfg: BenchConfig) -> None:
+        from specdecode.spec.adaptive import CostModel
+
         self.engine.proposer = self._proposers[cfg.method]
         self.engine.config.speculative = self._spec.get(cfg.name)
+        # Each config learns its own costs, as it would running alone (another proposer's timings differ).
+        self.engine.costs = self._costs.setdefault(cfg.name, CostModel())
 
     def encode(self, text: str) -> list[int]:
         from specdecode.tokenizer import apply_chat_template

@@ -169,9 +169,10 @@ class LLMEngine:
         ks = [self._spec_budget(r, len(reqs)) for r in reqs]
         drafts, draft_probs = [[] for _ in reqs], None
         if any(ks):
-            t0 = time.perf_counter()
             prop = self.proposer.propose(reqs, ks)
-            self.costs.observe_draft(max(ks), time.perf_counter() - t0)
+            if len(reqs) == 1:  # the cost model is per request; batched passes would skew it
+                for seconds in prop.step_seconds:
+                    self.costs.observe_draft(seconds)
             drafts, draft_probs = prop.tokens, prop.probs
         seqs = [(r.slot, r.num_computed, [r.all_token_ids[-1]] + d) for r, d in zip(reqs, drafts)]
         t0 = time.perf_counter()

@@ -23,11 +23,10 @@ class CostModel:
         old = self.verify.get(rows)
         self.verify[rows] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
 
-    def observe_draft(self, steps: int, seconds: float) -> None:
-        if steps <= 0:
-            return
-        s = seconds / steps
-        self.draft_step = s if self.draft_step is None else (1 - _EMA) * self.draft_step + _EMA * s
+    def observe_draft(self, seconds: float) -> None:
+        """One steady-state draft pass (one new token per request)."""
+        old = self.draft_step
+        self.draft_step = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
 
     def verify_cost(self, rows: int) -> float | None:
         if rows in self.verify:

@@ -1,0 +1,64 @@
+"""Adaptive k: the cost model's choices, and exactness plus clean cost accounting in the engine."""
+from __future__ import annotations
+
+import pytest
+
+from specdecode.spec.adaptive import CostModel, choose_k, expected_tokens, update_acceptance
+
+from helpers_spec import GREEDY, PROMPTS, gen_ids, llm_cache, noisy_drafts, one_thread  # noqa: F401
+
+
+def _costs(verify: dict[int, float], draft_step: float) -> CostModel:
+    c = CostModel()
+    for rows, s in verify.items():
+        c.observe_verify(rows, s)
+    c.observe_draft(draft_step)
+    return c
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 4) == pytest.approx(1.0)
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_unmeasured_costs_use_the_full_k():
+    assert choose_k(0.1, 5, CostModel(), draft_is_free=False) == 5
+
+
+def test_low_acceptance_or_dear_drafts_turn_speculation_off():
+    flat = {1: 0.10, 2: 0.11, 4: 0.13, 8: 0.2}  # verification nearly free, as on a GPU
+    assert choose_k(0.05, 6, _costs(flat, 0.01), draft_is_free=False) == 0   # drafts almost never accepted
+    assert choose_k(0.9, 6, _costs(flat, 0.20), draft_is_free=False) == 0    # a draft step dearer than a target step
+    linear = {1: 0.10, 2: 0.20, 4: 0.40, 8: 0.8}  # every extra row costs a full pass: nothing can pay
+    assert choose_k(0.99, 6, _costs(linear, 0.0), draft_is_free=True) == 0
+
+
+def test_high_acceptance_with_cheap_verification_drafts_deep():
+    flat = {1: 0.10, 2: 0.10, 4: 0.10, 8: 0.10}
+    assert choose_k(0.95, 6, _costs(flat, 0.0), draft_is_free=True) == 6
+    k = choose_k(0.8, 6, _costs(flat, 0.02), draft_is_free=False)
+    assert 2 <= k <= 6
+
+
+def test_acceptance_estimate():
+    assert update_acceptance(None, 4, 4) == 1.0
+    assert update_acceptance(None, 4, 1) == pytest.approx(0.5)  # one accepted, then a rejection
+    a = update_acceptance(1.0, 4, 0)
+    assert 0.0 < a < 1.0
+    assert update_acceptance(0.6, 0, 0) == 0.6  # no draft: nothing learned
+
+
+@pytest.mark.parametrize("proposer", ["draft", "ngram"])
+def test_adaptive_greedy_equals_plain(proposer, one_thread, llm_cache, tiny_models, noisy_drafts):
+    plain = gen_ids(llm_cache.get(tiny_models["llama"]), PROMPTS, max_tokens=24, **GREEDY)
+    spec = noisy_drafts["llama"] if proposer == "draft" else "[ngram]"
+    llm = llm_cache.get(tiny_models["llama"], speculative_model=spec, num_speculative_tokens=4,
+                        speculative_adaptive=True)
+    for p, want in zip(PROMPTS, plain):  # batch 1, so the cost model learns
+        assert gen_ids(llm, [p], max_tokens=24, **GREEDY)[0] == want
+    costs = llm.engine.costs
+    assert costs.verify and all(s > 0 for s in costs.verify.values())
+    if proposer == "draft":
+        # Only steady-state draft passes are timed: one pass over 2 tokens at most per request.
+        assert costs.draft_step is not None and 0 < costs.draft_step < max(costs.verify.values()) * 10
