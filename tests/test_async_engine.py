@@ -131,3 +131,30 @@ def test_speculation_off_at_batch_size(tiny_models, tiny_draft):
         assert eng.engine.spec_stats.num_drafts == 0 and out.metrics.spec_decode.num_draft_tokens == 0
     finally:
         eng.shutdown()
+
+
+def test_models_are_built_on_the_engine_thread(tiny_models):
+    # All parallel torch work must stay on one thread: a second OpenMP team on the caller's thread makes
+    # every op on the engine thread several times slower. So from_kwargs builds the engine in its thread.
+    import threading
+
+    from specdecode.engine.llm_engine import LLMEngine
+
+    seen = {}
+
+    def build():
+        seen["thread"] = threading.current_thread()
+        return LLMEngine.from_kwargs(model=str(tiny_models["llama"]), max_model_len=64, max_num_seqs=1)
+
+    eng = AsyncLLMEngine(build)
+    try:
+        assert seen["thread"] is eng._thread and seen["thread"] is not threading.current_thread()
+        out = run(final(eng, "t", "hello", SamplingParams(temperature=0, max_tokens=3)))
+        assert len(out.outputs[0].token_ids) == 3
+    finally:
+        eng.shutdown()
+
+
+def test_build_error_reaches_the_caller(tmp_path):
+    with pytest.raises(ValueError, match="does not exist|not found"):
+        AsyncLLMEngine.from_kwargs(model=str(tmp_path / "missing"))
