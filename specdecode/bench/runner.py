@@ -245,6 +245,39 @@ class DraftPrefillTimer:
         return getattr(self.inner, name)
 
 
+def run_timed(engine, rid: str, ids: list[int], params, on_step=None, should_abort=None) -> dict:
+    """Runs one request to the end on ``engine`` and times it: request added (t0), first token, last token.
+
+    ``on_step(output)`` runs after every engine step with this request's output of that step (or None);
+    ``should_abort()`` is polled before each step and aborts the request once it returns True. The draft's
+    prefill time is taken from a ``DraftPrefillTimer`` proposer when there is one."""
+    timer = engine.proposer if isinstance(engine.proposer, DraftPrefillTimer) else None
+    if timer is not None:
+        timer.elapsed = 0.0
+    t0 = time.perf_counter()
+    engine.add_request(rid, None, params, prompt_token_ids=ids)
+    t_first = t_end = final = None
+    aborted = False
+    while final is None:
+        if should_abort is not None and not aborted and should_abort():
+            engine.abort_request(rid)
+            aborted = True
+        outs = engine.step()
+        now = time.perf_counter()
+        mine = next((o for o in outs if o.request_id == rid), None)
+        if mine is not None:
+            if t_first is None and mine.outputs[0].token_ids:
+                t_first = now
+            if mine.finished:
+                final, t_end = mine, now
+        if on_step is not None:
+            on_step(mine)
+        if final is None and not engine.has_unfinished_requests():
+            raise RuntimeError("the engine stopped without finishing the request")
+    return {"output": final, "t0": t0, "t_first": t_end if t_first is None else t_first, "t_end": t_end,
+            "aborted": aborted, "draft_prefill": timer.elapsed if timer is not None else 0.0}
+
+
 class BenchRunner:
     def __init__(self, settings: BenchSettings):
         self.s = settings
@@ -329,39 +362,19 @@ class BenchRunner:
         eng = self.engine
         rid = f"bench-{self._counter}"
         self._counter += 1
-        peak = _rss_mb()
-        timer = eng.proposer if isinstance(eng.proposer, DraftPrefillTimer) else None
-        if timer is not None:
-            timer.elapsed = 0.0
-        draft_runner = getattr(timer, "runner", None)
+        rss = [_rss_mb()]  # sampled after every engine step
+        draft_runner = getattr(eng.proposer, "runner", None) if isinstance(eng.proposer, DraftPrefillTimer) else None
         passes0 = (eng.target.num_passes, draft_runner.num_passes if draft_runner is not None else 0)
-        t0 = time.perf_counter()
-        eng.add_request(rid, None, params, prompt_token_ids=ids)
-        t_first = t_end = None
-        final = None
-        while final is None:
-            outs = eng.step()
-            now = time.perf_counter()
-            peak = max(peak, _rss_mb())
-            for o in outs:
-                if o.request_id != rid:
-                    continue
-                if t_first is None and o.outputs[0].token_ids:
-                    t_first = now
-                if o.finished:
-                    final, t_end = o, now
-            if final is None and not eng.has_unfinished_requests():
-                raise RuntimeError("the engine stopped without finishing the benchmark request")
-        if t_first is None:
-            t_first = t_end
+        run = run_timed(eng, rid, ids, params, on_step=lambda _: rss.append(_rss_mb()))
+        final, t0, t_first, t_end = run["output"], run["t0"], run["t_first"], run["t_end"]
         c = final.outputs[0]
         spec = final.metrics.spec_decode if final.metrics is not None else SpecDecodeStats()
-        draft_prefill = timer.elapsed if timer is not None else 0.0
+        draft_prefill = run["draft_prefill"]
         read = (eng.target.num_passes - passes0[0]) * self._weight_bytes["target"]
         if draft_runner is not None:
             read += (draft_runner.num_passes - passes0[1]) * self._weight_bytes.get("draft", 0)
         return PromptRun(prompt_id, category, cfg.name, len(ids), list(c.token_ids), t_first - t0,
-                         max(0.0, t_end - t_first - draft_prefill), t_end - t0, c.finish_reason, spec, peak,
+                         max(0.0, t_end - t_first - draft_prefill), t_end - t0, c.finish_reason, spec, max(rss),
                          draft_prefill_s=draft_prefill, weight_bytes_read=read)
 
     # ---- the whole run ----

@@ -16,7 +16,6 @@ import logging
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 EXIT_USAGE = 2
@@ -267,39 +266,20 @@ class _Interrupt:
 
 def _stream(engine, rid: str, ids: list[int], params, out, interrupt: _Interrupt | None = None) -> dict:
     """Runs one request to the end, writing text deltas to ``out``; returns the output and timings."""
-    timer = engine.proposer if hasattr(engine.proposer, "elapsed") else None
-    if timer is not None:
-        timer.elapsed = 0.0
-    t0 = time.perf_counter()
-    engine.add_request(rid, None, params, prompt_token_ids=ids)
+    from specdecode.bench.runner import run_timed
+
     printed = ""
-    t_first = t_end = None
-    final = None
-    aborted = False
-    while final is None:
-        if interrupt is not None and interrupt.hit and not aborted:
-            engine.abort_request(rid)
-            aborted = True
-        outs = engine.step()
-        now = time.perf_counter()
-        for o in outs:
-            if o.request_id != rid:
-                continue
-            c = o.outputs[0]
-            if t_first is None and c.token_ids:
-                t_first = now
-            if out is not None and c.text.startswith(printed) and len(c.text) > len(printed):
-                out.write(c.text[len(printed):])
-                out.flush()
-                printed = c.text
-            if o.finished:
-                final, t_end = o, now
-        if final is None and not engine.has_unfinished_requests():
-            raise RuntimeError("the engine stopped without finishing the request")
-    if t_first is None:
-        t_first = t_end
-    return {"output": final, "t0": t0, "t_first": t_first, "t_end": t_end, "aborted": aborted,
-            "draft_prefill": timer.elapsed if timer is not None else 0.0}
+
+    def write_delta(o) -> None:
+        nonlocal printed
+        text = o.outputs[0].text if o is not None else ""
+        if out is not None and text.startswith(printed) and len(text) > len(printed):
+            out.write(text[len(printed):])
+            out.flush()
+            printed = text
+
+    return run_timed(engine, rid, ids, params, on_step=write_delta,
+                     should_abort=(lambda: interrupt.hit) if interrupt is not None else None)
 
 
 def _stats(engine, run: dict) -> dict:
