@@ -30,6 +30,13 @@ def _config_colors(plt, cfgs: list[dict]) -> dict[str, tuple]:
     return out
 
 
+def _save(plt, fig, path: Path, **savefig_kw) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, **savefig_kw)
+    plt.close(fig)
+    return path
+
+
 def _subtitle(result: dict) -> str:
     m = result["meta"]
     mode = "greedy" if m.get("greedy", True) else f"T={m.get('temperature')}"
@@ -55,10 +62,7 @@ def plot_speedup_per_category(result: dict, path: Path) -> Path:
     ax.set_title("Speedup per category\n" + _subtitle(result), fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, bbox_inches="tight")
 
 
 def plot_acceptance_per_position(result: dict, path: Path) -> Path:
@@ -80,10 +84,7 @@ def plot_acceptance_per_position(result: dict, path: Path) -> Path:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_tokens_per_s_vs_k(result: dict, path: Path) -> Path:
@@ -110,10 +111,7 @@ def plot_tokens_per_s_vs_k(result: dict, path: Path) -> Path:
     ax.set_title("Decode tokens/s vs k\n" + _subtitle(result), fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def write_plots(result: dict, out_dir: str | Path) -> list[Path]:
