@@ -15,7 +15,7 @@ logger = logging.getLogger("specdecode")
 SPEC_METHODS = ("draft_model", "ngram")
 MAX_SPEC_TOKENS = 16
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = (None, "none", "int8")
+QUANTIZATIONS = (None, "none", "int8", "w8a8")
 
 
 def _err(msg: str) -> ValueError:
@@ -102,7 +102,8 @@ class EngineConfig:
         if self.quantization == "none":
             self.quantization = None
         if self.quantization not in QUANTIZATIONS:
-            raise _err(f"quantization must be 'int8' or None, got {self.quantization!r}.")
+            raise _err(f"quantization must be 'int8' (int8 weights), 'w8a8' (int8 weights and activations) "
+                       f"or None, got {self.quantization!r}.")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise _err(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}.")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:

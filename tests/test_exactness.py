@@ -155,16 +155,43 @@ def test_metrics_add_up(proposer, one_thread, tiny_models, noisy_drafts):
         assert key in d
 
 
-def test_default_pair_speculative_greedy_equals_plain(one_thread):
+@pytest.mark.parametrize("quantization", [None, "int8", "w8a8"])
+@pytest.mark.parametrize("proposer", ["draft", "ngram"])
+def test_quantized_speculative_greedy_equals_plain(quantization, proposer, llm_cache, tiny_models, noisy_drafts):
+    """Quantized weights (and w8a8's quantized activations) still give plain greedy's ids under speculation,
+    batched and one by one, with the kernel's default thread count."""
+    import torch
+
+    fam = "qwen2"
+    with_threads = min(2, torch.get_num_threads())
+    prev = torch.get_num_threads()
+    torch.set_num_threads(with_threads)
+    try:
+        base = llm_cache.get(tiny_models[fam], quantization=quantization)
+        batched = gen_ids(base, PROMPTS, max_tokens=MAX_TOKENS, **GREEDY)
+        assert batched == [gen_ids(base, [p], max_tokens=MAX_TOKENS, **GREEDY)[0] for p in PROMPTS]
+        spec_model = noisy_drafts[fam] if proposer == "draft" else "[ngram]"
+        llm = llm_cache.get(tiny_models[fam], quantization=quantization, speculative_model=spec_model,
+                            num_speculative_tokens=4)
+        outs = _generate(llm, PROMPTS, max_tokens=MAX_TOKENS, **GREEDY)
+    finally:
+        torch.set_num_threads(prev)
+    assert [list(o.outputs[0].token_ids) for o in outs] == batched
+    assert sum(o.metrics.spec_decode.num_accepted_tokens for o in outs) > 0
+
+
+@pytest.mark.parametrize("quantization", [None, "w8a8"])
+def test_default_pair_speculative_greedy_equals_plain(one_thread, quantization):
     """The real default pair (Qwen2.5-Coder 1.5B target, 0.5B draft), k=4, batch of 2 prompts of different
-    lengths, 32 tokens: draft-model and n-gram speculation give plain greedy's ids.
+    lengths, 32 tokens: draft-model and n-gram speculation give plain greedy's ids, at the default dtype and
+    with int8 weights and activations.
 
     To load the 1.5B target once, one engine serves all three runs: plain decoding is the same engine with
     its proposer removed (exactly the state of an engine built without speculation), and n-gram is the same
     engine with an n-gram proposer swapped in."""
     from specdecode.spec.ngram import NgramProposer
 
-    llm = LLM(num_speculative_tokens=4, max_model_len=512)
+    llm = LLM(num_speculative_tokens=4, max_model_len=512, quantization=quantization)
     assert llm.config.speculative.method == "draft_model"
     prompts = ["def is_prime(n):\n    \"\"\"Return True if n is a prime number.\"\"\"\n",
                "<|im_start|>user\nWrite a Python function that reverses a linked list, with a docstring "

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from specdecode.layers import kernels
 
-FMTS = ("fp32", "bf16", "int8")
+FMTS = ("fp32", "bf16", "int8", "w8a8")
 MS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17)
 SHAPES = [(n, k) for k in (64, 72, 1536) for n in (64, 257)]
 
@@ -43,6 +43,12 @@ def _weight(n: int, k: int, seed: int) -> torch.Tensor:
 def _x(m: int, k: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(m, k, generator=g)
+
+
+def _reference(x: torch.Tensor, packed, bias=None) -> torch.Tensor:
+    """What the kernel computes, in plain torch (w8a8 also quantizes the activations)."""
+    xq = kernels.quantize_activations(x) if packed.fmt == "w8a8" else x
+    return F.linear(xq, kernels.dequantize(packed), bias)
 
 
 def _assert_row_invariant(packed, bias, k: int, seed: int) -> None:
@@ -125,9 +131,14 @@ def test_accuracy(n, k):
     assert (w8 - w).abs().le(scale[:, None] / 2 * (1 + 1e-5)).all()
     assert _rel_err(kernels.rowinv_linear(x, p8), ref) < 2e-2
 
-    for p in (p32, pbf, p8):
+    pw = kernels.pack_linear(w, "w8a8")
+    assert torch.equal(kernels.dequantize(pw), w8)  # same weights as int8, stored with an offset
+    assert _rel_err(kernels.rowinv_linear(x, pw), _reference(x, pw)) < 1e-5
+    assert _rel_err(kernels.rowinv_linear(x, pw), ref) < 3e-2
+
+    for p in (p32, pbf, p8, pw):
         out = kernels.rowinv_linear(x, p, bias)
-        assert _rel_err(out, F.linear(x, kernels.dequantize(p), bias)) < 1e-4
+        assert _rel_err(out, _reference(x, p, bias)) < 1e-4
         assert torch.equal(out, kernels.rowinv_linear(x, p) + bias) or _rel_err(
             out, kernels.rowinv_linear(x, p) + bias) < 1e-6
 
@@ -207,7 +218,7 @@ def test_many_rows(fmt):
     out = kernels.rowinv_linear(x, packed)
     for i in (0, 5, 63, 64, 65, 127, 128, 149):
         assert torch.equal(out[i], kernels.rowinv_linear(x[i:i + 1], packed)[0])
-    assert _rel_err(out, F.linear(x, kernels.dequantize(packed))) < 1e-4
+    assert _rel_err(out, _reference(x, packed)) < 1e-4
 
 
 def test_flush_denormal_mode_is_uniform_across_threads():
@@ -244,4 +255,49 @@ def test_pack_from_half_precision_weights():
         for fmt in FMTS:
             p = kernels.pack_linear(w.to(dtype), fmt)
             assert (p.fmt, p.out_features, p.in_features) == (fmt, 40, 24)
-            assert _rel_err(kernels.rowinv_linear(x, p), F.linear(x, kernels.dequantize(p))) < 1e-4
+            assert _rel_err(kernels.rowinv_linear(x, p), _reference(x, p)) < 1e-4
+
+
+def test_activation_quantization_is_per_row_and_per_block():
+    x = _x(3, 100, 51) * torch.tensor([1.0, 1e-3, 1e3])[:, None]
+    x[1, 40:64] = 0  # an all-zero block quantizes to zeros
+    q = kernels.quantize_activations(x)
+    assert q.shape == x.shape
+    for i in range(3):
+        assert torch.equal(kernels.quantize_activations(x[i:i + 1])[0], q[i])
+        for b0 in range(0, 100, kernels.ACT_BLOCK):
+            blk = x[i, b0:b0 + kernels.ACT_BLOCK]
+            step = blk.abs().max() / 127
+            assert ((q[i, b0:b0 + kernels.ACT_BLOCK] - blk).abs() <= step / 2 * 1.001 + 1e-30).all()
+    assert torch.all(q[1, 40:64] == 0)
+
+
+def test_w8a8_instruction_sets_agree_bitwise(tmp_path):
+    """The AVX-512 VNNI, AVX2 and portable paths compute the same integer lanes and the same float
+    epilogue, so a model gives the same tokens on any x86 CPU. Builds the kernel with the wider
+    instruction sets switched off and compares against the default build."""
+    from torch.utils import cpp_extension
+
+    if not kernels.kernel_available():
+        pytest.fail("the kernel must build on the test machine")
+    base = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
+    variants = {"scalar": base}
+    if kernels._ext.isa() == "avx512-vnni":
+        variants["avx2"] = base + ["-march=native", "-mno-avx512f"]
+    cases = []
+    for i, (n, k) in enumerate([(64, 64), (257, 72), (131, 1536), (40, 4100)]):
+        w = _weight(n, k, 60 + i)
+        cases.append((kernels.pack_linear(w, "w8a8"), _x(7, k, 70 + i) * 4, torch.randn(n)))
+    expected = [kernels.rowinv_linear(x, p, b) for p, x, b in cases]
+    saved = kernels._ext
+    try:
+        for name, flags in variants.items():
+            mod = cpp_extension.load(name=f"specdecode_w8a8_{name}_{kernels._cpu_tag()}", sources=[kernels._SOURCE],
+                                     extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                                     build_directory=str(tmp_path), verbose=False)
+            assert mod.isa() == name
+            kernels._ext = mod
+            for (p, x, b), want in zip(cases, expected):
+                assert torch.equal(kernels.rowinv_linear(x, p, b), want), f"{name} differs from {saved.isa()}"
+    finally:
+        kernels._ext = saved

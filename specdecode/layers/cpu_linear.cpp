@@ -23,7 +23,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
+#include <vector>
 #include <exception>
 
 #if defined(__SSE__)
@@ -409,11 +411,294 @@ PyObject* py_rowinv_linear(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// =============================================================================================
+// W8A8: int8 weights x int8 activations with exact integer dot products.
+//
+// Activations are quantized inside the call, row by row, in blocks of 32 along K (like llama.cpp's
+// q8_0): d = absmax / 127, q = round_half_even(x / d) computed as x * (1 / d). A row's quantization
+// depends only on that row, and integer sums do not depend on their order, so row invariance costs
+// nothing here; only the float epilogue has a fixed order, defined on 16 "lanes":
+//   lane l of 64-wide chunk c holds the exact integer t = sum_{j<4} w[n, 64c+4l+j] * q[m, 64c+4l+j],
+//   acc[l] = fma(float(t), d[block of lane l], acc[l])   for c = 0, 1, ...
+//   y[m, n] = hsum16(acc) * scale[n] + bias[n]            (hsum16: l + (l+8), then the 8-lane tree)
+// The AVX-512 VNNI, AVX2 and scalar paths all compute exactly this, so they agree bit for bit.
+//
+// Weights are stored as uint8 w + 128, zero padded (byte 128) to ldw, a multiple of 64. vpdpbusd
+// multiplies unsigned by signed bytes, so it sees (w + 128) * q; each activation lane carries the
+// correction -128 * sum(q over its 4 bytes) as the accumulator's starting value.
+// =============================================================================================
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512DQ__)
+#define SPECDECODE_VNNI 1
+#else
+#define SPECDECODE_VNNI 0
+#endif
+
+constexpr int64_t kQBlock = 32;  // activation quantization block
+constexpr int64_t kQChunk = 64;  // K per 16-lane step
+
+struct QAct {            // quantized activations, per row: Kp bytes of q, Kp/4 ints, Kp/4 floats
+  const int8_t* q;
+  const int32_t* ncorr;  // -128 * sum of the lane's 4 q values
+  const float* d;        // the lane's block scale
+  int64_t ldq;           // = Kp
+  int64_t ldl;           // = Kp / 4
+};
+
+struct W8Args {
+  QAct x;
+  const uint8_t* w;  // [N, ldw]
+  int64_t ldw;
+  int64_t nchunks;   // Kp / 64
+  const float* scale;
+  const float* bias;
+  float* y;
+  int64_t ldy;
+};
+
+static void quantize_row(const float* x, int64_t K, int64_t Kp, int8_t* q, int32_t* ncorr, float* dl) {
+  for (int64_t b0 = 0; b0 < Kp; b0 += kQBlock) {
+    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(kQBlock, K - b0));
+    float amax = 0.0f;
+    for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[b0 + i]));
+    const float d = amax / 127.0f;
+    const float id = d > 0.0f ? 1.0f / d : 0.0f;
+    for (int64_t i = 0; i < kQBlock; ++i) {
+      float v = i < n ? std::nearbyint(x[b0 + i] * id) : 0.0f;
+      v = std::min(127.0f, std::max(-127.0f, v));
+      q[b0 + i] = static_cast<int8_t>(v);
+    }
+    for (int64_t l = 0; l < kQBlock / 4; ++l) {
+      const int8_t* g = q + b0 + 4 * l;
+      ncorr[b0 / 4 + l] = -128 * (int32_t(g[0]) + g[1] + g[2] + g[3]);
+      dl[b0 / 4 + l] = d;
+    }
+  }
+}
+
+#if SPECDECODE_VNNI
+static inline float hsum16(__m512 v) {
+  const __m256 lo = _mm512_castps512_ps256(v);
+  const __m256 hi = _mm512_extractf32x8_ps(v, 1);
+  return vhsum(_mm256_add_ps(lo, hi));
+}
+
+template <int R, int C>
+static inline void w8a8_tile(const W8Args& a, int64_t m0, int64_t n0) {
+  __m512 acc[R][C];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const uint8_t* wr[C];
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) wr[c] = a.w + (n0 + c) * a.ldw;
+  const char* pf = reinterpret_cast<const char*>(a.w + (n0 + C) * a.ldw);
+  for (int64_t ch = 0; ch < a.nchunks; ++ch) {
+    if (kPrefetch) {
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) prefetch(pf + c * a.ldw + ch * kQChunk);
+    }
+    __m512i wv[C];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(wr[c] + ch * kQChunk);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const __m512i q = _mm512_loadu_si512(a.x.q + m * a.x.ldq + ch * kQChunk);
+      const __m512i nc = _mm512_loadu_si512(a.x.ncorr + m * a.x.ldl + ch * 16);
+      const __m512 d = _mm512_loadu_ps(a.x.d + m * a.x.ldl + ch * 16);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        const __m512i t = _mm512_dpbusd_epi32(nc, wv[c], q);
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), d, acc[r][c]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      float s = hsum16(acc[r][c]) * a.scale[n0 + c];
+      if (a.bias) s = s + a.bias[n0 + c];
+      a.y[(m0 + r) * a.ldy + n0 + c] = s;
+    }
+}
+constexpr int w8a8_width(int R) { return R == 1 ? 8 : R == 2 ? 6 : R <= 5 ? 4 : 3; }
+
+#elif SPECDECODE_AVX2
+template <int R, int C>
+static inline void w8a8_tile(const W8Args& a, int64_t m0, int64_t n0) {
+  __m256 acc[R][C][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
+  const uint8_t* wr[C];
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) wr[c] = a.w + (n0 + c) * a.ldw;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t ch = 0; ch < a.nchunks; ++ch) {
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m256i wv[C];  // signed weights: (w + 128) ^ 0x80 == w
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c)
+        wv[c] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[c] + ch * kQChunk + 32 * h)), flip);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int64_t m = m0 + r;
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.x.q + m * a.x.ldq + ch * kQChunk + 32 * h));
+        const __m256i aq = _mm256_abs_epi8(q);
+        const __m256 d = _mm256_loadu_ps(a.x.d + m * a.x.ldl + ch * 16 + 8 * h);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) {
+          // |q| * (sign(q) * w): byte pairs stay within int16 because |q|, |w| <= 127.
+          const __m256i p = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(wv[c], q));
+          const __m256i t = _mm256_madd_epi16(p, ones);
+          acc[r][c][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), d, acc[r][c][h]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      float s = vhsum(_mm256_add_ps(acc[r][c][0], acc[r][c][1])) * a.scale[n0 + c];
+      if (a.bias) s = s + a.bias[n0 + c];
+      a.y[(m0 + r) * a.ldy + n0 + c] = s;
+    }
+}
+constexpr int w8a8_width(int R) { return R == 1 ? 3 : R == 2 ? 2 : 1; }
+
+#else  // portable scalar path, same arithmetic
+template <int R, int C>
+static inline void w8a8_tile(const W8Args& a, int64_t m0, int64_t n0) {
+  for (int r = 0; r < R; ++r) {
+    const int64_t m = m0 + r;
+    const int8_t* q = a.x.q + m * a.x.ldq;
+    const float* dl = a.x.d + m * a.x.ldl;
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* w = a.w + (n0 + c) * a.ldw;
+      float acc[16] = {0};
+      for (int64_t ch = 0; ch < a.nchunks; ++ch) {
+        for (int l = 0; l < 16; ++l) {
+          int32_t t = 0;
+          for (int j = 0; j < 4; ++j) {
+            const int64_t k = ch * kQChunk + 4 * l + j;
+            t += (int32_t(w[k]) - 128) * int32_t(q[k]);
+          }
+          acc[l] = std::fma(static_cast<float>(t), dl[ch * 16 + l], acc[l]);
+        }
+      }
+      float h[8];
+      for (int l = 0; l < 8; ++l) h[l] = acc[l] + acc[l + 8];
+      const float a0 = h[0] + h[4], a1 = h[1] + h[5], a2 = h[2] + h[6], a3 = h[3] + h[7];
+      float s = ((a0 + a2) + (a1 + a3)) * a.scale[n0 + c];
+      if (a.bias) s = s + a.bias[n0 + c];
+      a.y[m * a.ldy + n0 + c] = s;
+    }
+  }
+}
+constexpr int w8a8_width(int R) { return R == 1 ? 4 : 2; }
+#endif
+
+template <int R>
+static void w8a8_rows(const W8Args& a, int64_t m0, int64_t n0, int64_t n1) {
+  constexpr int C = w8a8_width(R);
+  int64_t n = n0;
+  for (; n + C <= n1; n += C) w8a8_tile<R, C>(a, m0, n);
+  for (; n < n1; ++n) w8a8_tile<R, 1>(a, m0, n);
+}
+
+static void w8a8_run(const W8Args& a, int64_t M, int64_t N) {
+  const int64_t nb = std::max<int64_t>(kUnit, (kL2Budget / std::max<int64_t>(1, a.ldw)) / kUnit * kUnit);
+  const int64_t units = (N + kUnit - 1) / kUnit;
+  const int64_t macs_per_unit = std::max<int64_t>(1, kUnit * a.nchunks * kQChunk * std::min<int64_t>(M, kRowBlock));
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 17) / macs_per_unit);
+  const FpEnv caller_env = FpEnv::current();
+  at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
+    const FpEnvGuard env_guard(caller_env);
+    const int64_t c0 = u0 * kUnit;
+    const int64_t c1 = std::min(N, u1 * kUnit);
+    for (int64_t mb = 0; mb < M; mb += kRowBlock) {
+      const int64_t me = std::min(M, mb + kRowBlock);
+      for (int64_t cb = c0; cb < c1; cb += nb) {
+        const int64_t ce = std::min(c1, cb + nb);
+        for (int64_t m = mb; m < me;) {
+          const int R = next_rows(me - m);
+          switch (R) {
+            case 1: w8a8_rows<1>(a, m, cb, ce); break;
+            case 2: w8a8_rows<2>(a, m, cb, ce); break;
+            case 3: w8a8_rows<3>(a, m, cb, ce); break;
+            case 4: w8a8_rows<4>(a, m, cb, ce); break;
+            case 5: w8a8_rows<5>(a, m, cb, ce); break;
+            default: w8a8_rows<6>(a, m, cb, ce); break;
+          }
+          m += R;
+        }
+      }
+    }
+  });
+}
+
+// w8a8_linear(x_ptr, ldx, w_ptr, ldw, K, scale_ptr, bias_ptr, y_ptr, ldy, M, N): x float32 [M, ldx],
+// w uint8 [N, ldw] (ldw % 64 == 0, ldw >= K, padding bytes 128), scale float32 [N], bias 0 or [N].
+PyObject* py_w8a8_linear(PyObject*, PyObject* args) {
+  long long xp, ldx, wp, ldw, K, sp, bp, yp, ldy, M, N;
+  if (!PyArg_ParseTuple(args, "LLLLLLLLLLL", &xp, &ldx, &wp, &ldw, &K, &sp, &bp, &yp, &ldy, &M, &N)) return nullptr;
+  if (M < 0 || N < 0 || K < 0 || ldw % kQChunk != 0 || ldw < K || (M > 1 && ldx < K) || (M > 1 && ldy < N) ||
+      sp == 0 || (M > 0 && N > 0 && (xp == 0 || wp == 0 || yp == 0))) {
+    PyErr_SetString(PyExc_ValueError, "w8a8_linear: invalid arguments");
+    return nullptr;
+  }
+  if (M == 0 || N == 0) Py_RETURN_NONE;
+  const float* x = reinterpret_cast<const float*>(static_cast<uintptr_t>(xp));
+  const char* err = nullptr;
+  Py_BEGIN_ALLOW_THREADS
+  try {
+    const int64_t Kp = ldw;
+    std::vector<int8_t> q(static_cast<size_t>(M * Kp));
+    std::vector<int32_t> ncorr(static_cast<size_t>(M * Kp / 4));
+    std::vector<float> dl(static_cast<size_t>(M * Kp / 4));
+    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, K));
+    at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        quantize_row(x + m * ldx, K, Kp, q.data() + m * Kp, ncorr.data() + m * Kp / 4, dl.data() + m * Kp / 4);
+    });
+    W8Args a;
+    a.x = QAct{q.data(), ncorr.data(), dl.data(), Kp, Kp / 4};
+    a.w = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(wp));
+    a.ldw = ldw;
+    a.nchunks = Kp / kQChunk;
+    a.scale = reinterpret_cast<const float*>(static_cast<uintptr_t>(sp));
+    a.bias = reinterpret_cast<const float*>(static_cast<uintptr_t>(bp));
+    a.y = reinterpret_cast<float*>(static_cast<uintptr_t>(yp));
+    a.ldy = ldy;
+    w8a8_run(a, M, N);
+  } catch (const std::exception&) {
+    err = "w8a8_linear: kernel failed";
+  }
+  Py_END_ALLOW_THREADS
+  if (err) {
+    PyErr_SetString(PyExc_RuntimeError, err);
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* py_isa(PyObject*, PyObject*) {
+  return PyUnicode_FromString(SPECDECODE_VNNI ? "avx512-vnni" : SPECDECODE_AVX2 ? "avx2" : "scalar");
+}
+
 PyObject* py_has_avx2(PyObject*, PyObject*) { return PyBool_FromLong(SPECDECODE_AVX2); }
 
 PyMethodDef kMethods[] = {
     {"rowinv_linear", py_rowinv_linear, METH_VARARGS, "Row-invariant linear on raw CPU pointers"},
+    {"w8a8_linear", py_w8a8_linear, METH_VARARGS, "Row-invariant W8A8 linear on raw CPU pointers"},
     {"has_avx2", py_has_avx2, METH_NOARGS, "True if compiled with AVX2/FMA intrinsics"},
+    {"isa", py_isa, METH_NOARGS, "Instruction set of the W8A8 path"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "specdecode_cpu_linear", nullptr, -1, kMethods,

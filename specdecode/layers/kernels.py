@@ -16,8 +16,12 @@ Weight formats (``pack_linear``):
   * ``fp32``: float32 weight.
   * ``bf16``: bfloat16 weight (round-to-nearest-even from wider types), widened to fp32 in-register.
   * ``int8``: symmetric per-output-channel quantization, ``scale = absmax / 127``,
-    ``q = round(w / scale)``; the kernel computes ``(x . q) * scale``.
-Activations and accumulation are always fp32.
+    ``q = round(w / scale)``; the kernel computes ``(x . q) * scale`` with fp32 activations.
+  * ``w8a8``: the same int8 weights (stored as ``q + 128`` in uint8, K padded to a multiple of 64),
+    multiplied by activations that the kernel quantizes per row in blocks of 32 (``quantize_activations``),
+    with exact integer dot products (AVX-512 VNNI or AVX2). Integer sums have no order, so row
+    invariance is free, and a pass over several rows costs little more than over one.
+For fp32/bf16/int8, activations and accumulation are fp32.
 
 Non-CPU inputs (e.g. CUDA) use ``F.linear`` on a dequantized weight cached on that device; bitwise row
 invariance is NOT guaranteed there.
@@ -36,9 +40,11 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-FORMATS = ("fp32", "bf16", "int8")
-_FMT_CODE = {"fp32": 0, "bf16": 1, "int8": 2}
-_WEIGHT_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+FORMATS = ("fp32", "bf16", "int8", "w8a8")
+_FMT_CODE = {"fp32": 0, "bf16": 1, "int8": 2, "w8a8": 3}
+_WEIGHT_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "w8a8": torch.uint8}
+_K_ALIGN = {"fp32": 8, "bf16": 8, "int8": 8, "w8a8": 64}
+ACT_BLOCK = 32  # w8a8 activation quantization block (along K)
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_linear.cpp")
 
 # Set to True to force the pure-torch fallback (tests / debugging).
@@ -85,9 +91,11 @@ class PackedLinear:
             return self._checked[1]
         N, K = self.out_features, self.in_features
         if (w.dtype != _WEIGHT_DTYPE[self.fmt] or w.ndim != 2 or w.shape[0] != N or w.stride(1) != 1
-                or w.shape[1] < _round_up(K, 8) or (N > 1 and w.stride(0) < w.shape[1]) or not w.is_cpu):
+                or w.shape[1] < _round_up(K, _K_ALIGN[self.fmt]) or (N > 1 and w.stride(0) < w.shape[1]) or not w.is_cpu):
             raise ValueError(f"rowinv_linear: malformed packed weight {tuple(w.shape)} {w.dtype} for {self!r}")
-        if self.fmt == "int8":
+        if self.fmt == "w8a8" and w.stride(0) % 64:
+            raise ValueError(f"w8a8_linear: row stride {w.stride(0)} is not a multiple of 64 for {self!r}")
+        if self.fmt in ("int8", "w8a8"):
             if scale is None or tuple(scale.shape) != (N,):
                 raise ValueError("rowinv_linear: int8 weight needs a [N] scale")
             if scale.dtype != torch.float32 or not scale.is_cpu or not scale.is_contiguous():
@@ -128,7 +136,7 @@ def pack_linear(weight: torch.Tensor, fmt: str) -> PackedLinear:
         raise ValueError(f"pack_linear expects a floating-point weight, got {weight.dtype}")
     w = weight.detach()
     N, K = w.shape
-    Kp = _round_up(K, 8)
+    Kp = _round_up(K, _K_ALIGN[fmt])
 
     if fmt == "fp32":
         if w.dtype == torch.float32 and w.is_contiguous() and Kp == K:
@@ -154,7 +162,22 @@ def pack_linear(weight: torch.Tensor, fmt: str) -> PackedLinear:
         s = torch.where(s > 0, s, torch.ones_like(s))  # all-zero rows: q = 0, any scale works
         q[n0:n0 + step, :K] = torch.round(blk / s[:, None]).clamp_(-127, 127).to(torch.int8)
         scale[n0:n0 + step] = s
+    if fmt == "w8a8":  # unsigned storage for vpdpbusd; padding becomes 128, i.e. weight 0
+        q = (q.to(torch.int16) + 128).to(torch.uint8)
     return PackedLinear(fmt, q, scale, K)
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """What the w8a8 kernel multiplies with: each row of ``x [M, K]`` quantized in blocks of
+    ``ACT_BLOCK`` along K (``d = absmax / 127``, ``q = round(x * (1 / d))``), returned dequantized
+    (``q * d``, float32). Row i depends on row i only."""
+    M, K = x.shape
+    Kp = _round_up(K, ACT_BLOCK)
+    xp = F.pad(x.float(), (0, Kp - K)).reshape(M, Kp // ACT_BLOCK, ACT_BLOCK)
+    d = xp.abs().amax(dim=2, keepdim=True) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(xp * inv).clamp_(-127, 127)
+    return (q * d).reshape(M, Kp)[:, :K]
 
 
 def dequantize(packed: PackedLinear) -> torch.Tensor:
@@ -162,6 +185,8 @@ def dequantize(packed: PackedLinear) -> torch.Tensor:
     w = packed.weight[:, :packed.in_features]
     if packed.fmt == "int8":
         return w.float() * packed.scale[:, None]
+    if packed.fmt == "w8a8":
+        return (w.to(torch.int16) - 128).float() * packed.scale[:, None]
     return w.float().contiguous() if w.dtype != torch.float32 else w.contiguous()
 
 
@@ -288,13 +313,17 @@ def _weight_chunks(packed: PackedLinear, device: torch.device):
         step = max(1, (1 << 22) // max(K, 1))
         for n0 in range(0, N, step):
             wq = packed.weight[n0:n0 + step, :K]
-            yield n0, (wq.float() * packed.scale[n0:n0 + step, None] if packed.fmt == "int8" else wq.float())
+            if packed.fmt == "w8a8":
+                wq = wq.to(torch.int16) - 128
+            yield n0, (wq.float() * packed.scale[n0:n0 + step, None] if packed.scale is not None else wq.float())
 
 
 def _fallback(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None) -> torch.Tensor:
     """Pure torch, row by row: every output row comes from its own M=1 call, so it is row-invariant
     (independence from the thread count is up to the BLAS library here)."""
     M = x.shape[0]
+    if packed.fmt == "w8a8":
+        x = quantize_activations(x)
     out = torch.empty(M, packed.out_features, dtype=torch.float32, device=x.device)
     for n0, w in _weight_chunks(packed, x.device):
         n1 = n0 + w.shape[0]
@@ -315,7 +344,7 @@ def rowinv_linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | No
         # Accelerators: plain BLAS on a cached dequantized copy. Row invariance is NOT guaranteed.
         w = _dense_on(packed, x.device)
         b = bias.to(device=x.device, dtype=torch.float32) if bias is not None else None
-        return F.linear(x, w, b)
+        return F.linear(quantize_activations(x) if packed.fmt == "w8a8" else x, w, b)
     if not x.is_contiguous():
         x = x.contiguous()
     if _disabled() or not packed.weight.is_cpu:
@@ -334,6 +363,10 @@ def rowinv_linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | No
             raise ValueError(f"rowinv_linear: bias has {bias.numel()} elements, expected {N}")
     M, K = x.shape
     y = torch.empty(M, N, dtype=torch.float32)
+    if code == _FMT_CODE["w8a8"]:
+        ext.w8a8_linear(x.data_ptr(), K, wptr, ldw, K, scale.data_ptr(), bias.data_ptr() if bias is not None else 0,
+                        y.data_ptr(), N, M, N)
+        return y
     ext.rowinv_linear(x.data_ptr(), K, wptr, ldw, K, code, scale.data_ptr() if scale is not None else 0,
                       bias.data_ptr() if bias is not None else 0, y.data_ptr(), N, M, N)
     return y

@@ -605,7 +605,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--max-num-seqs", type=int, default=None, metavar="N", help="Running batch size (cache slots).")
     e.add_argument("--max-model-len", type=int, default=None, metavar="N", help="Context length (prompt + output).")
     e.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
-    e.add_argument("--quantization", default=None, choices=["int8", "none"])
+    e.add_argument("--quantization", default=None, choices=["int8", "w8a8", "none"])
     e.add_argument("--seed", type=int, default=None, metavar="N")
     e.add_argument("--max-waiting-requests", type=int, default=None, metavar="N",
                    help="Waiting-queue limit; requests beyond it get HTTP 503.")
