@@ -38,6 +38,20 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: kernels.PackedLinear | None = None
 
+    @classmethod
+    def concat(cls, parts: list["Linear"]) -> "Linear":
+        """One linear whose output is the parts' outputs side by side (weights not yet prepared)."""
+        bias = [p.bias for p in parts]
+        if any(b is not None for b in bias):
+            bias = [b if b is not None else torch.zeros(p.out_features, dtype=p.weight.dtype, device=p.weight.device)
+                    for b, p in zip(bias, parts)]
+        with torch.device("meta"):  # no throwaway allocation: the tensors are assigned below
+            out = cls(parts[0].in_features, sum(p.out_features for p in parts), bias=bias[0] is not None)
+        out.weight = nn.Parameter(torch.cat([p.weight.data for p in parts]), requires_grad=False)
+        if out.bias is not None:
+            out.bias = nn.Parameter(torch.cat([b.data for b in bias]), requires_grad=False)
+        return out
+
     def prepare(self, quantization: str | None) -> None:
         """Pack the loaded weight for the CPU kernel; int8 drops the float copy to save memory."""
         if self.weight.device.type != "cpu":

@@ -133,6 +133,8 @@ def load_model(path: Path, dtype: str, device: str, max_model_len: int | None,
         fresh = type(model.rotary)(args.head_dim, max(max_model_len, 1), args.rope_theta, args.rope_scaling)
         model.rotary = fresh.to(dev)
     model.eval()
+    for layer in model.layers:
+        layer.fuse_projections()
     for m in model.modules():
         if isinstance(m, Linear):
             m.prepare(quantization)

@@ -17,7 +17,7 @@ from specdecode.layers.activation import get_activation
 from specdecode.layers.attention import Attention, ForwardBatch
 from specdecode.layers.linear import Linear, row_invariant
 from specdecode.layers.norm import LayerNorm, RMSNorm
-from specdecode.layers.rotary import Rotary
+from specdecode.layers.rotary import Rotary, apply_rotary
 
 
 @dataclass
@@ -210,20 +210,53 @@ class Block(nn.Module):
         self.up_proj = Linear(h, a.intermediate_size, a.mlp_bias)
         self.down_proj = Linear(a.intermediate_size, h, a.mlp_bias)
         self.act = get_activation(a.activation)
+        self.qkv_proj: Linear | None = None      # set by fuse_projections()
+        self.gate_up_proj: Linear | None = None
 
-    def forward(self, x: torch.Tensor, b: ForwardBatch, rotary: Rotary | None) -> torch.Tensor:
-        a, n = self.a, x.shape[0]
-        y = self.attn_norm(x)
-        q = self.q_proj(y).view(n, a.num_heads, a.head_dim)
-        k = self.k_proj(y).view(n, a.num_kv_heads, a.head_dim)
-        v = self.v_proj(y).view(n, a.num_kv_heads, a.head_dim)
+    def fuse_projections(self) -> None:
+        """Concatenate q/k/v (and gate/up) into one linear each: one kernel call (and one activation
+        quantization) instead of three. Each output channel is still computed on its own, so the values
+        are bitwise those of the separate projections."""
+        self.qkv_proj = Linear.concat([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
+        if self.a.gated_mlp:
+            self.gate_up_proj = Linear.concat([self.gate_proj, self.up_proj])
+            del self.gate_proj, self.up_proj
+
+    def _qkv(self, y: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None):
+        """q [N, H, D], k and v [N, KV, D], with the rotary embedding applied to q and k."""
+        a, n = self.a, y.shape[0]
+        H, KV, D = a.num_heads, a.num_kv_heads, a.head_dim
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(y)
+            v = qkv[:, (H + KV) * D:].reshape(n, KV, D)
+            if not a.qk_norm:
+                qk = qkv[:, :(H + KV) * D].reshape(n, H + KV, D)
+                if rope is not None:  # q and k side by side: one elementwise pass for both
+                    qk = apply_rotary(qk, *rope)
+                return qk[:, :H], qk[:, H:], v
+            q, k = qkv[:, :H * D].reshape(n, H, D), qkv[:, H * D:(H + KV) * D].reshape(n, KV, D)
+        else:
+            q, k, v = (self.q_proj(y).view(n, H, D), self.k_proj(y).view(n, KV, D), self.v_proj(y).view(n, KV, D))
         if a.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if rotary is not None:
-            q, k = rotary(q, b.positions), rotary(k, b.positions)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, b: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        a = self.a
+        y = self.attn_norm(x)
+        q, k, v = self._qkv(y, rope)
         x = x + self.o_proj(self.attn(q, k, v, b))
         y = self.mlp_norm(x)
-        hidden = self.act(self.gate_proj(y)) * self.up_proj(y) if a.gated_mlp else self.act(self.up_proj(y))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(y).chunk(2, dim=-1)
+            hidden = self.act(gate) * up
+        elif a.gated_mlp:
+            hidden = self.act(self.gate_proj(y)) * self.up_proj(y)
+        else:
+            hidden = self.act(self.up_proj(y))
         return x + self.down_proj(hidden)
 
 
@@ -256,8 +289,11 @@ class CausalLM(nn.Module):
             x = self.embed_tokens(b.input_ids)
             if self.rotary is None:
                 x = x + self.embed_positions(b.positions + self.args.position_offset)
+                rope = None
+            else:
+                rope = self.rotary.table(b.positions, x.dtype)
             for layer in self.layers:
-                x = layer(x, b, self.rotary)
+                x = layer(x, b, rope)
             x = self.norm(x[b.logits_rows])
             # The logits row is always computed by the row-invariant path, also after prefill.
             with row_invariant(True):
