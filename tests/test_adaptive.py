@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from specdecode.spec.adaptive import CostModel, choose_k, expected_tokens, update_acceptance
+from specdecode.spec.adaptive import (PROBE_EVERY, CostModel, choose_k, expected_tokens, next_k,
+                                      update_acceptance)
 
 from helpers_spec import GREEDY, PROMPTS, gen_ids, llm_cache, noisy_drafts, one_thread  # noqa: F401
 
@@ -62,3 +63,29 @@ def test_adaptive_greedy_equals_plain(proposer, one_thread, llm_cache, tiny_mode
     if proposer == "draft":
         # Only steady-state draft passes are timed: one pass over 2 tokens at most per request.
         assert costs.draft_step is not None and 0 < costs.draft_step < max(costs.verify.values()) * 10
+
+
+def test_probes_back_off_while_speculation_does_not_pay_and_reset_when_it_does():
+    class State:
+        steps_without_spec, probe_every = 0, PROBE_EVERY
+
+    dear = _costs({1: 0.10, 2: 0.20, 4: 0.40}, 0.05)  # nothing pays: every decision is k = 0
+    s = State()
+    ks = [next_k(3, 0.9, dear, draft_is_free=False, state=s) for _ in range(PROBE_EVERY * 7)]
+    probes = [i for i, k in enumerate(ks) if k]
+    assert set(ks) <= {0, 1}
+    gaps = [b - a for a, b in zip([-1] + probes, probes)]
+    assert gaps == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY]  # each unfruitful probe doubles the wait
+    cheap = _costs({1: 0.10, 2: 0.10, 4: 0.10}, 0.0)
+    assert next_k(3, 0.9, cheap, draft_is_free=True, state=s) == 3
+    assert (s.steps_without_spec, s.probe_every) == (0, PROBE_EVERY)
+
+
+def test_new_requests_start_from_the_acceptance_seen_so_far():
+    c = CostModel()
+    assert c.accept_prior == 0.7
+    for _ in range(100):
+        c.observe_acceptance(4, 0)  # every draft rejected at once
+    assert c.accept_prior < 0.05
+    c.observe_acceptance(0, 0)
+    assert c.accept_prior < 0.05

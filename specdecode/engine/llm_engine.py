@@ -14,7 +14,7 @@ from specdecode.layers.sampler import apply_penalties, logits_to_probs, logprobs
 from specdecode.models.loader import load_model
 from specdecode.outputs import RequestOutput
 from specdecode.sampling_params import SamplingParams
-from specdecode.spec.adaptive import PROBE_EVERY, CostModel, choose_k, update_acceptance
+from specdecode.spec.adaptive import CostModel, next_k, update_acceptance
 from specdecode.spec.metrics import SpecDecodeStats
 from specdecode.spec.rejection_sampler import rejection_sample
 from specdecode.tokenizer import eos_ids, load_tokenizer
@@ -159,10 +159,7 @@ class LLMEngine:
         left = min(r.max_tokens - r.num_output_tokens - 1, self.max_model_len - len(r.all_token_ids))
         k = max(0, min(spec.num_speculative_tokens, left))
         if spec.adaptive and k:
-            chosen = choose_k(r.accept_ema if r.accept_ema is not None else 0.7, k, self.costs,
-                              draft_is_free=spec.method == "ngram")
-            r.steps_without_spec = 0 if chosen else r.steps_without_spec + 1
-            k = chosen or (1 if r.steps_without_spec % PROBE_EVERY == 0 else 0)
+            k = next_k(k, r.accept_ema, self.costs, draft_is_free=spec.method == "ngram", state=r)
         return k
 
     def _decode(self, reqs: list[Request]) -> None:
@@ -196,6 +193,7 @@ class LLMEngine:
             if drafts[i]:
                 r.metrics.spec_decode.record(len(drafts[i]), a)
                 r.accept_ema = update_acceptance(r.accept_ema, len(drafts[i]), a)
+                self.costs.observe_acceptance(len(drafts[i]), a)
                 self.spec_stats.record(len(drafts[i]), a)
             self._commit(r, result.tokens[i], logits[i])
 

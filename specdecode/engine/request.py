@@ -8,6 +8,7 @@ import torch
 
 from specdecode.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from specdecode.sampling_params import SamplingParams
+from specdecode.spec.adaptive import PROBE_EVERY
 from specdecode.tokenizer import IncrementalDetokenizer
 
 
@@ -48,6 +49,7 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=time.time())
         self.accept_ema: float | None = None  # adaptive k: running per-token acceptance estimate
         self.steps_without_spec = 0
+        self.probe_every = PROBE_EVERY
 
     @property
     def output_token_ids(self) -> list[int]:

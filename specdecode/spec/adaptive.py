@@ -4,20 +4,25 @@ With per-token acceptance probability a, drafting k tokens yields (1 - a^(k+1)) 
 pass. That pass costs verify(k+1 rows) plus k draft steps. We measure both costs online, keep an
 exponential average of each request's acceptance, and pick the k with the most tokens per second; k = 0
 (plain decoding) wins whenever the draft is too slow or too often wrong. Requests at k = 0 are probed with
-k = 1 now and then, so a request whose text turns predictable gets speculation back.
+k = 1 now and then, so a request whose text turns predictable gets speculation back; each probe that does
+not bring speculation back doubles the wait before the next one (probes cost a verify pass, and for a draft
+model a catch-up pass too). A new request starts from the acceptance seen on earlier ones, not a guess.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 _EMA = 0.3
-PROBE_EVERY = 8
+_PRIOR_EMA = 0.05
+PROBE_EVERY = 8        # steps at k = 0 before the first probe
+MAX_PROBE_EVERY = 64
 
 
 @dataclass
 class CostModel:
     verify: dict[int, float] = field(default_factory=dict)  # rows per request -> seconds per pass
     draft_step: float | None = None                          # seconds per draft step
+    accept_prior: float = 0.7                                # acceptance a new request starts from
 
     def observe_verify(self, rows: int, seconds: float) -> None:
         old = self.verify.get(rows)
@@ -27,6 +32,12 @@ class CostModel:
         """One steady-state draft pass (one new token per request)."""
         old = self.draft_step
         self.draft_step = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
+
+    def observe_acceptance(self, drafted: int, accepted: int) -> None:
+        """Slow average over all requests of the per-token acceptance estimate."""
+        if drafted > 0:
+            sample = 1.0 if accepted == drafted else accepted / (accepted + 1)
+            self.accept_prior = (1 - _PRIOR_EMA) * self.accept_prior + _PRIOR_EMA * sample
 
     def verify_cost(self, rows: int) -> float | None:
         if rows in self.verify:
@@ -77,3 +88,18 @@ def update_acceptance(prev: float | None, drafted: int, accepted: int) -> float:
     # a fully accepted run only says "high".
     sample = 1.0 if accepted == drafted else accepted / (accepted + 1)
     return sample if prev is None else (1 - _EMA) * prev + _EMA * sample
+
+
+def next_k(k_max: int, accept: float | None, costs: CostModel, draft_is_free: bool, state) -> int:
+    """The k for this step of one request. ``state`` carries ``steps_without_spec`` and ``probe_every``
+    (a Request) and is updated: a chosen k > 0 resets probing, a probe doubles the wait for the next."""
+    chosen = choose_k(costs.accept_prior if accept is None else accept, k_max, costs, draft_is_free)
+    if chosen:
+        state.steps_without_spec, state.probe_every = 0, PROBE_EVERY
+        return chosen
+    state.steps_without_spec += 1
+    if state.steps_without_spec < state.probe_every:
+        return 0
+    state.steps_without_spec = 0
+    state.probe_every = min(2 * state.probe_every, MAX_PROBE_EVERY)
+    return 1
