@@ -117,6 +117,9 @@ class EngineConfig:
             import torch
             if not torch.cuda.is_available():
                 raise _err(f"device={self.device!r} was requested but CUDA is not available; use device='cpu'.")
+        if self.quantization is not None and self.device != "cpu":
+            raise _err(f"quantization={self.quantization!r} uses this package's CPU kernels and is not available "
+                       f"on device={self.device!r}; on a GPU use dtype='bfloat16' or 'float16' instead.")
 
     @classmethod
     def from_kwargs(cls, **kw: Any) -> "EngineConfig":

@@ -272,3 +272,14 @@ def test_sglang_engine(one_thread, llm_cache, tiny_models, tiny_draft):
     single = eng.generate(prompts[0], {"temperature": 0, "max_new_tokens": 10})
     assert isinstance(single, dict) and single["text"] == want[0]
     eng.shutdown()
+
+
+def test_quantization_values_and_device(tiny_models):
+    from specdecode.config import EngineConfig
+
+    model = str(tiny_models["llama"])
+    _raises(lambda: EngineConfig(model=model, quantization="int4"), "int8", "w8a8", "int4")
+    # The quantized formats are CPU kernels: asking for them elsewhere is an error, not a silent fp run.
+    _raises(lambda: EngineConfig(model=model, quantization="w8a8", device="xpu"), "w8a8", "xpu", "CPU",
+            "bfloat16")
+    assert EngineConfig(model=model, quantization="w8a8", device="cpu").quantization == "w8a8"
