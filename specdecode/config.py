@@ -34,6 +34,10 @@ class SpeculativeConfig:
     draft_p_min: float = 0.0
     # Choose k per request from measured acceptance and costs (k may drop to 0).
     adaptive: bool = False
+    # Draft model only: score just the N lowest token ids (in a BPE vocabulary, the earliest merges, i.e. the
+    # most frequent tokens) plus the special tokens in the draft's LM head. The head is a large share of a
+    # small draft's weights; drafts stay exact proposals, so output is unchanged, only acceptance may dip.
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -56,6 +60,12 @@ class SpeculativeConfig:
             raise _err(f"speculative_disable_by_batch_size must be >= 1, got {self.disable_by_batch_size!r}.")
         if not (0.0 <= self.draft_p_min < 1.0):
             raise _err(f"draft_p_min must be in [0, 1), got {self.draft_p_min!r}.")
+        v = self.draft_vocab_size
+        if v is not None:
+            if self.method != "draft_model":
+                raise _err("draft_vocab_size only applies to a draft model (n-gram drafts need no LM head).")
+            if not isinstance(v, int) or isinstance(v, bool) or v < 256:
+                raise _err(f"draft_vocab_size must be an integer >= 256 (e.g. 32768), got {v!r}.")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
@@ -129,7 +139,7 @@ class EngineConfig:
         legacy = {k: kw.pop(k) for k in ("speculative_model", "num_speculative_tokens",
                                          "ngram_prompt_lookup_max", "ngram_prompt_lookup_min",
                                          "speculative_disable_by_batch_size", "speculative_draft_p_min",
-                                         "speculative_adaptive") if k in kw}
+                                         "speculative_adaptive", "speculative_draft_vocab_size") if k in kw}
         if sc is not None and legacy:
             raise _err("Pass either speculative_config={...} or the legacy speculative_* keywords, not both.")
         if isinstance(sc, SpeculativeConfig):
@@ -147,7 +157,8 @@ class EngineConfig:
                                  ("ngram_prompt_lookup_min", "prompt_lookup_min"),
                                  ("speculative_disable_by_batch_size", "disable_by_batch_size"),
                                  ("speculative_draft_p_min", "draft_p_min"),
-                                 ("speculative_adaptive", "adaptive")):
+                                 ("speculative_adaptive", "adaptive"),
+                                 ("speculative_draft_vocab_size", "draft_vocab_size")):
                     if legacy.get(src) is not None:
                         spec_dict[dst] = legacy[src]
                 if spec_dict.get("model") is None:

@@ -283,3 +283,11 @@ def test_quantization_values_and_device(tiny_models):
     _raises(lambda: EngineConfig(model=model, quantization="w8a8", device="xpu"), "w8a8", "xpu", "CPU",
             "bfloat16")
     assert EngineConfig(model=model, quantization="w8a8", device="cpu").quantization == "w8a8"
+
+
+def test_draft_vocab_size_validation(tiny_models, tiny_draft):
+    model = str(tiny_models["llama"])
+    _raises(lambda: LLM(model, speculative_model="[ngram]", num_speculative_tokens=2,
+                        speculative_draft_vocab_size=1024), "draft_vocab_size", "draft model")
+    _raises(lambda: LLM(model, speculative_model=str(tiny_draft), num_speculative_tokens=2,
+                        speculative_draft_vocab_size=10), "draft_vocab_size", "256")

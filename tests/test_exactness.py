@@ -229,3 +229,25 @@ def test_draft_p_min_stops_drafting_early_and_stays_exact(plain, llm_cache, tiny
         drafted[p_min] = sum(o.metrics.spec_decode.num_draft_tokens for o in outs)
     # A random tiny draft is almost never 99% sure of a token, so drafts stop after their first token.
     assert drafted[0.99] < drafted[0.0]
+
+
+def test_truncated_draft_vocab_keeps_greedy_exact(plain, llm_cache, tiny_models, noisy_drafts):
+    """speculative_draft_vocab_size: the draft scores only low ids (+ specials); ids it cannot propose still
+    come out of the target, so greedy output is unchanged."""
+    import torch
+
+    from specdecode.spec.draft_model import TruncatedHead
+
+    batched, _ = plain("llama")
+    llm = llm_cache.get(tiny_models["llama"], speculative_model=noisy_drafts["llama"], num_speculative_tokens=4,
+                        speculative_draft_vocab_size=256)
+    head = llm.engine.proposer.runner.model.lm_head
+    assert isinstance(head, TruncatedHead) and 256 <= len(head.keep) < llm.engine.target.vocab_size
+    logits = head(torch.randn(3, head.sub.in_features))
+    dropped = torch.ones(logits.shape[-1], dtype=torch.bool)
+    dropped[head.keep] = False
+    assert torch.isinf(logits[:, dropped]).all() and torch.isfinite(logits[:, head.keep]).all()
+    outs = _generate(llm, PROMPTS, max_tokens=MAX_TOKENS, **GREEDY)
+    assert [list(o.outputs[0].token_ids) for o in outs] == batched
+    assert any(t >= 256 for ids in batched for t in ids)  # the target does emit tokens the draft cannot propose
+    assert sum(o.metrics.spec_decode.num_accepted_tokens for o in outs) > 0

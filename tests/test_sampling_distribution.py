@@ -249,3 +249,27 @@ def test_end_to_end_second_token_marginal(setting, e2e_llm, sharp_target, monkey
     _, broken = _sample(e2e_llm, params, N_BROKEN, seed0=10**6)
     pval = chi2_pvalue(broken, marg)
     assert pval < ALPHA, f"the broken sampler went unnoticed (p={pval:.2e})"
+
+
+@pytest.fixture(scope="module")
+def e2e_llm_truncated(one_thread, llm_cache, sharp_target, sharp_draft):
+    return llm_cache.get(sharp_target, speculative_model=sharp_draft, num_speculative_tokens=K_E2E,
+                         max_model_len=64, max_num_seqs=16, speculative_draft_vocab_size=256)
+
+
+def test_end_to_end_with_truncated_draft_vocab(e2e_llm_truncated, sharp_target):
+    """A draft that can only propose ids < 256 (plus specials): the 2nd token still follows the target's
+    marginal, including the mass on ids the draft never proposes (it comes from the residual)."""
+    setting = list(SETTINGS)[0]
+    params = SamplingParams(**SETTINGS[setting])
+    _, marg = _target_marginals(sharp_target, params)
+    keep = e2e_llm_truncated.engine.proposer.runner.model.lm_head.keep.numpy()
+    outside = np.ones(len(marg), dtype=bool)
+    outside[keep] = False
+    assert marg[outside].sum() > 0.05, "the target must put real mass on tokens the draft cannot propose"
+    stats = e2e_llm_truncated.spec_decode_metrics
+    drafted0 = stats.num_draft_tokens
+    _, second = _sample(e2e_llm_truncated, params, N_E2E, seed0=5 * 10**5)
+    assert stats.num_draft_tokens - drafted0 >= N_E2E
+    pval = chi2_pvalue(second, marg)
+    assert pval > ALPHA, f"2nd token with a truncated draft head does not follow the target (p={pval:.2e})"

@@ -126,6 +126,9 @@ def _add_model_flags(p: argparse.ArgumentParser, draft_help: str, with_k: bool =
     g.add_argument("--draft-p-min", type=_float_in(0.0, 1.0), default=0.0, metavar="P",
                    help="stop drafting once the draft model's top probability falls below P (llama.cpp's "
                         "--draft-p-min; default 0: always draft k tokens)")
+    g.add_argument("--draft-vocab-size", type=_int_at_least(256), default=None, metavar="N",
+                   help="draft model: score only the N lowest token ids (a BPE vocabulary's most frequent "
+                        "tokens) plus special tokens; a cheaper draft step, same output (default: all)")
     g.add_argument("--ngram-min", type=_int_at_least(1), default=1, metavar="N",
                    help="n-gram drafting: shortest suffix to look up (default 1)")
     g.add_argument("--ngram-max", type=_int_at_least(1), default=4, metavar="N",
@@ -211,6 +214,8 @@ def _engine_kwargs(args, k: int | None) -> dict:
             kw["speculative_adaptive"] = True
         if args.draft_p_min:
             kw["speculative_draft_p_min"] = args.draft_p_min
+        if args.draft_vocab_size and draft != "[ngram]":
+            kw["speculative_draft_vocab_size"] = args.draft_vocab_size
         if draft == "[ngram]":
             if args.ngram_min > args.ngram_max:
                 raise CLIError(f"--ngram-min ({args.ngram_min}) must not exceed --ngram-max ({args.ngram_max})")
@@ -506,7 +511,7 @@ def cmd_bench(args) -> int:
         ignore_eos=args.ignore_eos, chat_template=args.chat_template, ngram_min=args.ngram_min,
         ngram_max=args.ngram_max, dtype=args.dtype, quantization=args.quantization, num_threads=args.threads,
         max_model_len=args.max_model_len, warmup=not args.no_warmup, progress=not args.no_progress,
-        adaptive=args.adaptive, draft_p_min=args.draft_p_min)
+        adaptive=args.adaptive, draft_p_min=args.draft_p_min, draft_vocab_size=args.draft_vocab_size)
     from specdecode.sampling_params import SamplingParams
     SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)  # validate early
     runner = BenchRunner(settings)

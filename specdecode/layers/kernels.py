@@ -110,6 +110,11 @@ class PackedLinear:
     def device(self) -> torch.device:
         return self.weight.device
 
+    def select_rows(self, rows: torch.Tensor) -> "PackedLinear":
+        """The same format restricted to output channels ``rows`` (copied)."""
+        scale = self.scale[rows].contiguous() if self.scale is not None else None
+        return PackedLinear(self.fmt, self.weight[rows].contiguous(), scale, self.in_features)
+
     @property
     def nbytes(self) -> int:
         n = self.weight.numel() * self.weight.element_size()

@@ -52,6 +52,17 @@ class Linear(nn.Module):
             out.bias = nn.Parameter(torch.cat([b.data for b in bias]), requires_grad=False)
         return out
 
+    def select_rows(self, rows: torch.Tensor) -> "Linear":
+        """A linear computing only output channels ``rows`` (in that order), in the same prepared format."""
+        with torch.device("meta"):
+            out = type(self)(self.in_features, len(rows), bias=self.bias is not None)
+        out.weight = (nn.Parameter(self.weight.data[rows.to(self.weight.device)].clone(), requires_grad=False)
+                      if self.weight is not None else None)
+        if self.bias is not None:
+            out.bias = nn.Parameter(self.bias.data[rows.to(self.bias.device)].clone(), requires_grad=False)
+        out.packed = self.packed.select_rows(rows.to(self.packed.device)) if self.packed is not None else None
+        return out
+
     def prepare(self, quantization: str | None) -> None:
         """Pack the loaded weight for the CPU kernel; int8 drops the float copy to save memory."""
         if self.weight.device.type != "cpu":

@@ -4,17 +4,50 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.nn as nn
 
 from specdecode.engine.model_runner import ModelRunner
+from specdecode.layers.linear import Linear
 from specdecode.layers.sampler import logits_to_probs, sample
 from specdecode.spec.proposer import Proposal
 
 
+def draft_vocab_ids(tokenizer, eos_token_ids: set[int], size: int, vocab: int) -> torch.Tensor:
+    """Token ids a truncated draft head keeps: 0..size-1 plus every special / added token and EOS."""
+    extra = set(eos_token_ids) | set(getattr(tokenizer, "all_special_ids", []) or [])
+    extra |= set((getattr(tokenizer, "added_tokens_decoder", None) or {}).keys())
+    ids = sorted(set(range(min(size, vocab))) | {int(i) for i in extra if 0 <= int(i) < vocab})
+    return torch.tensor(ids, dtype=torch.long)
+
+
+class TruncatedHead(nn.Module):
+    """An LM head that scores only ``keep``; every other token gets logit -inf, i.e. probability 0.
+
+    The draft then proposes from (and reports the probabilities of) this restricted distribution, which the
+    rejection sampler handles like any other draft distribution: output stays exactly the target's."""
+
+    def __init__(self, head: Linear, keep: torch.Tensor, vocab: int):
+        super().__init__()
+        self.sub = head.select_rows(keep)
+        self.vocab = vocab
+        self.register_buffer("keep", keep, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sub = self.sub(x)
+        out = sub.new_full((*sub.shape[:-1], self.vocab), float("-inf"))
+        out[..., self.keep.to(out.device)] = sub
+        return out
+
+
 class DraftModelProposer:
-    def __init__(self, runner: ModelRunner, target_vocab: int, p_min: float = 0.0):
+    def __init__(self, runner: ModelRunner, target_vocab: int, p_min: float = 0.0,
+                 vocab_ids: torch.Tensor | None = None):
         self.runner = runner
         self.vocab = target_vocab
         self.p_min = p_min
+        model = runner.model
+        if vocab_ids is not None and len(vocab_ids) < model.args.vocab_size:
+            model.lm_head = TruncatedHead(model.lm_head, vocab_ids, model.args.vocab_size)
 
     def _catch_up(self, requests: list, step_seconds: list[float]) -> list[torch.Tensor]:
         """Feed each request's tokens the draft has not seen; return each one's next-token logits [V]."""
