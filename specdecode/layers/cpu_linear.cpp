@@ -336,15 +336,17 @@ static inline int next_rows(int64_t rem) {
   return 6;
 }
 
-template <int FMT>
-static void run(const Args& a, int64_t M, int64_t N) {
-  const int64_t row_bytes = std::max<int64_t>(1, a.ldw * ElemSize<FMT>::value);
-  int64_t nb = (kL2Budget / row_bytes) / kUnit * kUnit;
-  nb = std::max<int64_t>(nb, kUnit);
+// The work split shared by every format: threads take whole units of output channels (never a share of K,
+// so the split cannot change any result), walk them in blocks that stay hot in L2, and cover the rows in
+// register tiles of next_rows() rows; tile(R, m, c0, c1) computes rows [m, m+R) x channels [c0, c1).
+template <typename TileFn>
+static void schedule(int64_t M, int64_t N, int64_t row_bytes, int64_t macs_per_output, int64_t min_macs_per_task,
+                     TileFn&& tile) {
+  const int64_t nb = std::max<int64_t>(kUnit, (kL2Budget / std::max<int64_t>(1, row_bytes)) / kUnit * kUnit);
   const int64_t units = (N + kUnit - 1) / kUnit;
-  // Do not wake threads for tiny problems; the split never changes any result.
-  const int64_t macs_per_unit = std::max<int64_t>(1, kUnit * a.K * std::min<int64_t>(M, kRowBlock));
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / macs_per_unit);
+  // Do not wake threads for tiny problems.
+  const int64_t macs_per_unit = std::max<int64_t>(1, kUnit * macs_per_output * std::min<int64_t>(M, kRowBlock));
+  const int64_t grain = std::max<int64_t>(1, min_macs_per_task / macs_per_unit);
 
   // Which thread computes a channel may change with M (grain) or the thread count; make every worker
   // use the caller's floating-point mode (e.g. flush-to-zero set by torch.set_flush_denormal) so
@@ -360,12 +362,18 @@ static void run(const Args& a, int64_t M, int64_t N) {
         const int64_t ce = std::min(c1, cb + nb);
         for (int64_t m = mb; m < me;) {
           const int R = next_rows(me - m);
-          run_chunk<FMT>(a, R, m, cb, ce);
+          tile(R, m, cb, ce);
           m += R;
         }
       }
     }
   });
+}
+
+template <int FMT>
+static void run(const Args& a, int64_t M, int64_t N) {
+  schedule(M, N, a.ldw * ElemSize<FMT>::value, a.K, int64_t(1) << 16,
+           [&](int R, int64_t m, int64_t c0, int64_t c1) { run_chunk<FMT>(a, R, m, c0, c1); });
 }
 
 // Python entry point: rowinv_linear(x_ptr, ldx, w_ptr, ldw, K, fmt, scale_ptr, bias_ptr, y_ptr, ldy, M, N)
@@ -617,32 +625,14 @@ static void w8a8_rows(const W8Args& a, int64_t m0, int64_t n0, int64_t n1) {
 }
 
 static void w8a8_run(const W8Args& a, int64_t M, int64_t N) {
-  const int64_t nb = std::max<int64_t>(kUnit, (kL2Budget / std::max<int64_t>(1, a.ldw)) / kUnit * kUnit);
-  const int64_t units = (N + kUnit - 1) / kUnit;
-  const int64_t macs_per_unit = std::max<int64_t>(1, kUnit * a.nchunks * kQChunk * std::min<int64_t>(M, kRowBlock));
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 17) / macs_per_unit);
-  const FpEnv caller_env = FpEnv::current();
-  at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
-    const FpEnvGuard env_guard(caller_env);
-    const int64_t c0 = u0 * kUnit;
-    const int64_t c1 = std::min(N, u1 * kUnit);
-    for (int64_t mb = 0; mb < M; mb += kRowBlock) {
-      const int64_t me = std::min(M, mb + kRowBlock);
-      for (int64_t cb = c0; cb < c1; cb += nb) {
-        const int64_t ce = std::min(c1, cb + nb);
-        for (int64_t m = mb; m < me;) {
-          const int R = next_rows(me - m);
-          switch (R) {
-            case 1: w8a8_rows<1>(a, m, cb, ce); break;
-            case 2: w8a8_rows<2>(a, m, cb, ce); break;
-            case 3: w8a8_rows<3>(a, m, cb, ce); break;
-            case 4: w8a8_rows<4>(a, m, cb, ce); break;
-            case 5: w8a8_rows<5>(a, m, cb, ce); break;
-            default: w8a8_rows<6>(a, m, cb, ce); break;
-          }
-          m += R;
-        }
-      }
+  schedule(M, N, a.ldw, a.nchunks * kQChunk, int64_t(1) << 17, [&](int R, int64_t m, int64_t c0, int64_t c1) {
+    switch (R) {
+      case 1: w8a8_rows<1>(a, m, c0, c1); break;
+      case 2: w8a8_rows<2>(a, m, c0, c1); break;
+      case 3: w8a8_rows<3>(a, m, c0, c1); break;
+      case 4: w8a8_rows<4>(a, m, c0, c1); break;
+      case 5: w8a8_rows<5>(a, m, c0, c1); break;
+      default: w8a8_rows<6>(a, m, c0, c1); break;
     }
   });
 }
