@@ -441,10 +441,6 @@ PyObject* py_rowinv_linear(PyObject*, PyObject* args) {
 #define SPECDECODE_VNNI 0
 #endif
 
-#ifndef SPECDECODE_W8_PF_TILES
-#define SPECDECODE_W8_PF_TILES 1
-#endif
-constexpr int64_t kW8PrefetchTiles = SPECDECODE_W8_PF_TILES;  // how many tiles ahead to prefetch weights
 constexpr int64_t kQBlock = 32;  // activation quantization block
 constexpr int64_t kQChunk = 64;  // K per 16-lane step
 
@@ -504,7 +500,7 @@ static inline void w8a8_tile(const W8Args& a, int64_t m0, int64_t n0) {
   const uint8_t* wr[C];
 #pragma GCC unroll 8
   for (int c = 0; c < C; ++c) wr[c] = a.w + (n0 + c) * a.ldw;
-  const char* pf = reinterpret_cast<const char*>(a.w + (n0 + C * kW8PrefetchTiles) * a.ldw);
+  const char* pf = reinterpret_cast<const char*>(a.w + (n0 + C) * a.ldw);  // the next tile's rows
   for (int64_t ch = 0; ch < a.nchunks; ++ch) {
     if (kPrefetch) {
 #pragma GCC unroll 8

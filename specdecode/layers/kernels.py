@@ -187,12 +187,15 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
 
 def dequantize(packed: PackedLinear) -> torch.Tensor:
     """float32 ``[N, K]`` weight equal to what the kernel multiplies with (int8: ``q * scale``)."""
-    w = packed.weight[:, :packed.in_features]
-    if packed.fmt == "int8":
-        return w.float() * packed.scale[:, None]
+    return _dequantize_rows(packed, 0, packed.out_features).contiguous()
+
+
+def _dequantize_rows(packed: PackedLinear, n0: int, n1: int) -> torch.Tensor:
+    """float32 weight rows [n0, n1) (a view for fp32, a new tensor otherwise)."""
+    w = packed.weight[n0:n1, :packed.in_features]
     if packed.fmt == "w8a8":
-        return (w.to(torch.int16) - 128).float() * packed.scale[:, None]
-    return w.float().contiguous() if w.dtype != torch.float32 else w.contiguous()
+        w = w.to(torch.int16) - 128
+    return w.float() * packed.scale[n0:n1, None] if packed.scale is not None else w.float()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -317,10 +320,7 @@ def _weight_chunks(packed: PackedLinear, device: torch.device):
     else:  # dequantize in fixed row chunks: no cached float copy (it would defeat int8/bf16 savings)
         step = max(1, (1 << 22) // max(K, 1))
         for n0 in range(0, N, step):
-            wq = packed.weight[n0:n0 + step, :K]
-            if packed.fmt == "w8a8":
-                wq = wq.to(torch.int16) - 128
-            yield n0, (wq.float() * packed.scale[n0:n0 + step, None] if packed.scale is not None else wq.float())
+            yield n0, _dequantize_rows(packed, n0, n0 + step)
 
 
 def _fallback(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None) -> torch.Tensor:

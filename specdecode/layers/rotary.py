@@ -41,10 +41,6 @@ class Rotary(nn.Module):
         """cos, sin [N, 1, head_dim] for positions [N]: looked up once per forward, used by every layer."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [N, heads, head_dim]; positions: [N]."""
-        return apply_rotary(x, *self.table(positions, x.dtype))
-
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [N, heads, head_dim] rotated by the per-token angles in cos/sin [N, 1, head_dim]."""

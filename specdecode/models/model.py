@@ -216,7 +216,8 @@ class Block(nn.Module):
     def fuse_projections(self) -> None:
         """Concatenate q/k/v (and gate/up) into one linear each: one kernel call (and one activation
         quantization) instead of three. Each output channel is still computed on its own, so the values
-        are bitwise those of the separate projections."""
+        are bitwise those of the separate projections. The loader calls this after loading the weights
+        under their checkpoint names; forward() runs on the fused layout only."""
         self.qkv_proj = Linear.concat([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
         if self.a.gated_mlp:
@@ -227,19 +228,15 @@ class Block(nn.Module):
         """q [N, H, D], k and v [N, KV, D], with the rotary embedding applied to q and k."""
         a, n = self.a, y.shape[0]
         H, KV, D = a.num_heads, a.num_kv_heads, a.head_dim
-        if self.qkv_proj is not None:
-            qkv = self.qkv_proj(y)
-            v = qkv[:, (H + KV) * D:].reshape(n, KV, D)
-            if not a.qk_norm:
-                qk = qkv[:, :(H + KV) * D].reshape(n, H + KV, D)
-                if rope is not None:  # q and k side by side: one elementwise pass for both
-                    qk = apply_rotary(qk, *rope)
-                return qk[:, :H], qk[:, H:], v
-            q, k = qkv[:, :H * D].reshape(n, H, D), qkv[:, H * D:(H + KV) * D].reshape(n, KV, D)
-        else:
-            q, k, v = (self.q_proj(y).view(n, H, D), self.k_proj(y).view(n, KV, D), self.v_proj(y).view(n, KV, D))
-        if a.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        qkv = self.qkv_proj(y)
+        v = qkv[:, (H + KV) * D:].reshape(n, KV, D)
+        if not a.qk_norm:
+            qk = qkv[:, :(H + KV) * D].reshape(n, H + KV, D)
+            if rope is not None:  # q and k side by side: one elementwise pass for both
+                qk = apply_rotary(qk, *rope)
+            return qk[:, :H], qk[:, H:], v
+        q, k = qkv[:, :H * D].reshape(n, H, D), qkv[:, H * D:(H + KV) * D].reshape(n, KV, D)
+        q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         return q, k, v
@@ -250,11 +247,9 @@ class Block(nn.Module):
         q, k, v = self._qkv(y, rope)
         x = x + self.o_proj(self.attn(q, k, v, b))
         y = self.mlp_norm(x)
-        if self.gate_up_proj is not None:
+        if a.gated_mlp:
             gate, up = self.gate_up_proj(y).chunk(2, dim=-1)
             hidden = self.act(gate) * up
-        elif a.gated_mlp:
-            hidden = self.act(self.gate_proj(y)) * self.up_proj(y)
         else:
             hidden = self.act(self.up_proj(y))
         return x + self.down_proj(hidden)

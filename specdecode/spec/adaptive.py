@@ -37,8 +37,7 @@ class CostModel:
     def observe_acceptance(self, drafted: int, accepted: int) -> None:
         """Slow average over all requests of the per-token acceptance estimate."""
         if drafted > 0:
-            sample = 1.0 if accepted == drafted else accepted / (accepted + 1)
-            self.accept_prior = (1 - _PRIOR_EMA) * self.accept_prior + _PRIOR_EMA * sample
+            self.accept_prior = (1 - _PRIOR_EMA) * self.accept_prior + _PRIOR_EMA * _acceptance_sample(drafted, accepted)
 
     def verify_cost(self, rows: int) -> float | None:
         if rows in self.verify:
@@ -87,10 +86,14 @@ def update_acceptance(prev: float | None, drafted: int, accepted: int) -> float:
     """Per-token acceptance estimate from one verification (a run of `accepted` then a rejection, or all)."""
     if drafted <= 0:
         return prev if prev is not None else 0.7
+    sample = _acceptance_sample(drafted, accepted)
+    return sample if prev is None else (1 - _EMA) * prev + _EMA * sample
+
+
+def _acceptance_sample(drafted: int, accepted: int) -> float:
     # A run of `accepted` ended by a rejection is the geometric estimate accepted / (accepted + 1);
     # a fully accepted run only says "high".
-    sample = 1.0 if accepted == drafted else accepted / (accepted + 1)
-    return sample if prev is None else (1 - _EMA) * prev + _EMA * sample
+    return 1.0 if accepted == drafted else accepted / (accepted + 1)
 
 
 def next_k(k_max: int, accept: float | None, costs: CostModel, draft_is_free: bool, state) -> int:

@@ -30,12 +30,13 @@ class TruncatedHead(nn.Module):
         super().__init__()
         self.sub = head.select_rows(keep)
         self.vocab = vocab
-        self.register_buffer("keep", keep, persistent=False)
+        device = head.weight.device if head.weight is not None else head.packed.device
+        self.register_buffer("keep", keep.to(device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sub = self.sub(x)
         out = sub.new_full((*sub.shape[:-1], self.vocab), float("-inf"))
-        out[..., self.keep.to(out.device)] = sub
+        out[..., self.keep] = sub
         return out
 
 
