@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdecode.spec.adaptive import (PROBE_EVERY, CostModel, choose_k, expected_tokens, next_k,
-                                      update_acceptance)
+from specdecode.spec.adaptive import PROBE_EVERY, Acceptance, CostModel, choose_k, expected_tokens, next_k
 
 from helpers_spec import GREEDY, PROMPTS, gen_ids, llm_cache, noisy_drafts, one_thread  # noqa: F401
 
@@ -18,36 +17,58 @@ def _costs(verify: dict[int, float], draft_step: float) -> CostModel:
 
 
 def test_expected_tokens():
-    assert expected_tokens(0.0, 4) == pytest.approx(1.0)
-    assert expected_tokens(1.0, 4) == 5.0
-    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens(0.0, 0.9, 4) == pytest.approx(1.0)
+    assert expected_tokens(1.0, 1.0, 4) == 5.0
+    assert expected_tokens(0.5, 0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens(0.5, 0.9, 2) == pytest.approx(1 + 0.5 + 0.5 * 0.9)
+    assert expected_tokens(0.3, 0.9, 0) == 1.0
 
 
 def test_unmeasured_costs_use_the_full_k():
-    assert choose_k(0.1, 5, CostModel(), draft_is_free=False) == 5
+    assert choose_k(0.1, 0.1, 5, CostModel(), draft_is_free=False) == 5
 
 
 def test_low_acceptance_or_dear_drafts_turn_speculation_off():
     flat = {1: 0.10, 2: 0.11, 4: 0.13, 8: 0.2}  # verification nearly free, as on a GPU
-    assert choose_k(0.05, 6, _costs(flat, 0.01), draft_is_free=False) == 0   # drafts almost never accepted
-    assert choose_k(0.9, 6, _costs(flat, 0.20), draft_is_free=False) == 0    # a draft step dearer than a target step
+    assert choose_k(0.05, 0.05, 6, _costs(flat, 0.01), draft_is_free=False) == 0   # drafts almost never accepted
+    assert choose_k(0.9, 0.9, 6, _costs(flat, 0.20), draft_is_free=False) == 0    # a draft step dearer than a target step
     linear = {1: 0.10, 2: 0.20, 4: 0.40, 8: 0.8}  # every extra row costs a full pass: nothing can pay
-    assert choose_k(0.99, 6, _costs(linear, 0.0), draft_is_free=True) == 0
+    assert choose_k(0.99, 0.99, 6, _costs(linear, 0.0), draft_is_free=True) == 0
 
 
 def test_high_acceptance_with_cheap_verification_drafts_deep():
     flat = {1: 0.10, 2: 0.10, 4: 0.10, 8: 0.10}
-    assert choose_k(0.95, 6, _costs(flat, 0.0), draft_is_free=True) == 6
-    k = choose_k(0.8, 6, _costs(flat, 0.02), draft_is_free=False)
+    assert choose_k(0.95, 0.95, 6, _costs(flat, 0.0), draft_is_free=True) == 6
+    k = choose_k(0.8, 0.8, 6, _costs(flat, 0.02), draft_is_free=False)
     assert 2 <= k <= 6
 
 
-def test_acceptance_estimate():
-    assert update_acceptance(None, 4, 4) == 1.0
-    assert update_acceptance(None, 4, 1) == pytest.approx(0.5)  # one accepted, then a rejection
-    a = update_acceptance(1.0, 4, 0)
-    assert 0.0 < a < 1.0
-    assert update_acceptance(0.6, 0, 0) == 0.6  # no draft: nothing learned
+def test_acceptance_counts_first_tokens_and_tokens_inside_a_run_apart():
+    a = Acceptance(decay=1.0)
+    a.observe(4, 0)  # cold: the first token fails
+    assert (a.first_ok, a.first_n, a.next_ok, a.next_n, a.in_run) == (0, 1, 0, 0, False)
+    a.observe(4, 2)  # cold: first passes, the second passes, the third fails
+    assert (a.first_ok, a.first_n, a.next_ok, a.next_n, a.in_run) == (1, 2, 1, 2, False)
+    a.observe(3, 3)  # cold and fully accepted: the next step starts inside a run
+    assert (a.first_ok, a.first_n, a.next_ok, a.next_n, a.in_run) == (2, 3, 3, 4, True)
+    a.observe(4, 1)  # inside a run: every trial is a "next" one
+    assert (a.first_ok, a.first_n, a.next_ok, a.next_n, a.in_run) == (2, 3, 4, 6, False)
+    assert a.rates() == (pytest.approx(2 / 3), pytest.approx(4 / 6))
+    a.observe(2, 2)
+    assert a.in_run and a.rates()[0] == a.rates()[1]  # inside a run the first token is a "next" one
+    a.observe(0, 0)  # a plain step ends the run and teaches nothing
+    assert not a.in_run and (a.first_n, a.next_n) == (4, 7)
+
+
+def test_a_run_of_acceptances_drafts_deeper_than_the_start_of_one():
+    # Verification that gets dearer with rows, as on a CPU; drafts rarely start well but, once one is
+    # accepted, the rest of the run usually is (a copied span).
+    costs = _costs({1: 0.10, 2: 0.102, 4: 0.12, 6: 0.15, 9: 0.21}, 0.0)
+    a = Acceptance(decay=1.0, first_ok=3, first_n=10, next_ok=9, next_n=10)
+    cold = choose_k(*a.rates(), 8, costs, draft_is_free=True)
+    a.in_run = True
+    hot = choose_k(*a.rates(), 8, costs, draft_is_free=True)
+    assert 1 <= cold <= 3 and hot >= 5
 
 
 @pytest.mark.parametrize("proposer", ["draft", "ngram"])
@@ -65,27 +86,32 @@ def test_adaptive_greedy_equals_plain(proposer, one_thread, llm_cache, tiny_mode
         assert costs.draft_step is not None and 0 < costs.draft_step < max(costs.verify.values()) * 10
 
 
+def _high() -> Acceptance:
+    return Acceptance(decay=1.0, first_ok=90, first_n=100, next_ok=90, next_n=100)
+
+
 def test_probes_back_off_while_speculation_does_not_pay_and_reset_when_it_does():
     class State:
         steps_without_spec, probe_every = 0, PROBE_EVERY
 
     dear = _costs({1: 0.10, 2: 0.20, 4: 0.40}, 0.05)  # nothing pays: every decision is k = 0
     s = State()
-    ks = [next_k(3, 0.9, dear, draft_is_free=False, state=s) for _ in range(PROBE_EVERY * 7)]
+    ks = [next_k(3, _high(), dear, draft_is_free=False, state=s) for _ in range(PROBE_EVERY * 7)]
     probes = [i for i, k in enumerate(ks) if k]
     assert set(ks) <= {0, 1}
     gaps = [b - a for a, b in zip([-1] + probes, probes)]
     assert gaps == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY]  # each unfruitful probe doubles the wait
     cheap = _costs({1: 0.10, 2: 0.10, 4: 0.10}, 0.0)
-    assert next_k(3, 0.9, cheap, draft_is_free=True, state=s) == 3
+    assert next_k(3, _high(), cheap, draft_is_free=True, state=s) == 3
     assert (s.steps_without_spec, s.probe_every) == (0, PROBE_EVERY)
 
 
 def test_new_requests_start_from_the_acceptance_seen_so_far():
     c = CostModel()
-    assert c.accept_prior == 0.7
+    assert Acceptance().rates(c.prior) == (pytest.approx(0.7), pytest.approx(0.7))
     for _ in range(100):
-        c.observe_acceptance(4, 0)  # every draft rejected at once
-    assert c.accept_prior < 0.05
-    c.observe_acceptance(0, 0)
-    assert c.accept_prior < 0.05
+        c.observe_acceptance(Acceptance(), 4, 0)  # every draft rejected at once
+    p1, _ = Acceptance().rates(c.prior)
+    assert p1 < 0.05
+    c.observe_acceptance(Acceptance(), 0, 0)  # a plain step: nothing learned
+    assert Acceptance().rates(c.prior)[0] == p1

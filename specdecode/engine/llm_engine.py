@@ -14,7 +14,7 @@ from specdecode.layers.sampler import apply_penalties, logits_to_probs, logprobs
 from specdecode.models.loader import load_model
 from specdecode.outputs import RequestOutput
 from specdecode.sampling_params import SamplingParams
-from specdecode.spec.adaptive import CostModel, next_k, update_acceptance
+from specdecode.spec.adaptive import CostModel, next_k
 from specdecode.spec.metrics import SpecDecodeStats
 from specdecode.spec.rejection_sampler import rejection_sample
 from specdecode.tokenizer import eos_ids, load_tokenizer
@@ -161,7 +161,7 @@ class LLMEngine:
         left = min(r.max_tokens - r.num_output_tokens - 1, self.max_model_len - len(r.all_token_ids))
         k = max(0, min(spec.num_speculative_tokens, left))
         if spec.adaptive and k:
-            k = next_k(k, r.accept_ema, self.costs, draft_is_free=spec.method == "ngram", state=r)
+            k = next_k(k, r.acceptance, self.costs, draft_is_free=spec.method == "ngram", state=r)
         return k
 
     def _decode(self, reqs: list[Request]) -> None:
@@ -192,10 +192,9 @@ class LLMEngine:
             r.num_computed = len(r.all_token_ids) + a  # rejected drafts' KV stays in place, just past the length
             if self.proposer is not None:
                 self.proposer.rollback(r, len(r.all_token_ids) + a)
+            self.costs.observe_acceptance(r.acceptance, len(drafts[i]), a)
             if drafts[i]:
                 r.metrics.spec_decode.record(len(drafts[i]), a)
-                r.accept_ema = update_acceptance(r.accept_ema, len(drafts[i]), a)
-                self.costs.observe_acceptance(len(drafts[i]), a)
                 self.spec_stats.record(len(drafts[i]), a)
             self._commit(r, result.tokens[i], logits[i])
 

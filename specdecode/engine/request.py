@@ -8,7 +8,7 @@ import torch
 
 from specdecode.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from specdecode.sampling_params import SamplingParams
-from specdecode.spec.adaptive import PROBE_EVERY
+from specdecode.spec.adaptive import PROBE_EVERY, Acceptance
 from specdecode.tokenizer import IncrementalDetokenizer
 
 
@@ -47,7 +47,7 @@ class Request:
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.metrics = RequestMetrics(arrival_time=time.time())
-        self.accept_ema: float | None = None  # adaptive k: running per-token acceptance estimate
+        self.acceptance = Acceptance()  # adaptive k: this request's acceptance counts
         self.steps_without_spec = 0
         self.probe_every = PROBE_EVERY
 

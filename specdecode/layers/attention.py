@@ -68,9 +68,11 @@ class Attention(nn.Module):
                 out = F.scaled_dot_product_attention(qh, keys, vals, attn_mask=allowed, scale=self.scale)
             return out.transpose(0, 1).reshape(n, -1)
         out = torch.empty(n, self.n_kv, rep, self.head_dim, dtype=q.dtype, device=q.device)
-        # The rep query heads that share a KV head act as rep query rows: no K/V copy for GQA.
-        qg = q.view(n, self.n_kv, rep, self.head_dim)
+        # The rep query heads that share a KV head act as rep query rows: no K/V copy for GQA. Inputs are
+        # 4-D so that SDPA can take its fused kernel (3-D inputs fall back to the slower unfused path).
+        qg = q.view(n, 1, self.n_kv, rep, self.head_dim)
         for i, (slot, pos) in enumerate(zip(b.slot_list, b.pos_list)):
             out[i] = F.scaled_dot_product_attention(
-                qg[i], kc[slot, :, :pos + 1].to(q.dtype), vc[slot, :, :pos + 1].to(q.dtype), scale=self.scale)
+                qg[i], kc[slot:slot + 1, :, :pos + 1].to(q.dtype), vc[slot:slot + 1, :, :pos + 1].to(q.dtype),
+                scale=self.scale)[0]
         return out.view(n, -1)

@@ -341,11 +341,11 @@ static inline int next_rows(int64_t rem) {
 // register tiles of next_rows() rows; tile(R, m, c0, c1) computes rows [m, m+R) x channels [c0, c1).
 template <typename TileFn>
 static void schedule(int64_t M, int64_t N, int64_t row_bytes, int64_t macs_per_output, int64_t min_macs_per_task,
-                     TileFn&& tile) {
-  const int64_t nb = std::max<int64_t>(kUnit, (kL2Budget / std::max<int64_t>(1, row_bytes)) / kUnit * kUnit);
-  const int64_t units = (N + kUnit - 1) / kUnit;
+                     TileFn&& tile, int64_t unit = kUnit) {
+  const int64_t nb = std::max<int64_t>(unit, (kL2Budget / std::max<int64_t>(1, row_bytes)) / unit * unit);
+  const int64_t units = (N + unit - 1) / unit;
   // Do not wake threads for tiny problems.
-  const int64_t macs_per_unit = std::max<int64_t>(1, kUnit * macs_per_output * std::min<int64_t>(M, kRowBlock));
+  const int64_t macs_per_unit = std::max<int64_t>(1, unit * macs_per_output * std::min<int64_t>(M, kRowBlock));
   const int64_t grain = std::max<int64_t>(1, min_macs_per_task / macs_per_unit);
 
   // Which thread computes a channel may change with M (grain) or the thread count; make every worker
@@ -354,8 +354,8 @@ static void schedule(int64_t M, int64_t N, int64_t row_bytes, int64_t macs_per_o
   const FpEnv caller_env = FpEnv::current();
   at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
     const FpEnvGuard env_guard(caller_env);
-    const int64_t c0 = u0 * kUnit;
-    const int64_t c1 = std::min(N, u1 * kUnit);
+    const int64_t c0 = u0 * unit;
+    const int64_t c1 = std::min(N, u1 * unit);
     for (int64_t mb = 0; mb < M; mb += kRowBlock) {
       const int64_t me = std::min(M, mb + kRowBlock);
       for (int64_t cb = c0; cb < c1; cb += nb) {
@@ -423,17 +423,19 @@ PyObject* py_rowinv_linear(PyObject*, PyObject* args) {
 // W8A8: int8 weights x int8 activations with exact integer dot products.
 //
 // Activations are quantized inside the call, row by row, in blocks of 32 along K (like llama.cpp's
-// q8_0): d = absmax / 127, q = round_half_even(x / d) computed as x * (1 / d). A row's quantization
-// depends only on that row, and integer sums do not depend on their order, so row invariance costs
-// nothing here; only the float epilogue has a fixed order, defined on 16 "lanes":
-//   lane l of 64-wide chunk c holds the exact integer t = sum_{j<4} w[n, 64c+4l+j] * q[m, 64c+4l+j],
-//   acc[l] = fma(float(t), d[block of lane l], acc[l])   for c = 0, 1, ...
-//   y[m, n] = hsum16(acc) * scale[n] + bias[n]            (hsum16: l + (l+8), then the 8-lane tree)
-// The AVX-512 VNNI, AVX2 and scalar paths all compute exactly this, so they agree bit for bit.
+// q8_0): d = absmax / 127, q = round_half_even(x / d) computed as x * (1 / d). Per (row, channel) and
+// block b the kernel takes the exact integer t_b = sum_{k in b} w[n, k] * q[m, k], then
+//   acc = fma(float(t_b), d_b, acc)   for b = 0, 1, ... in order;   y[m, n] = acc * scale[n] + bias[n].
+// A row's quantization depends only on that row, integer sums have no order, and the float part is one
+// fixed sequence per (row, channel), so row invariance costs nothing. The AVX-512 VNNI, AVX2 and scalar
+// paths compute exactly this, so they agree bit for bit.
 //
-// Weights are stored as uint8 w + 128, zero padded (byte 128) to ldw, a multiple of 64. vpdpbusd
-// multiplies unsigned by signed bytes, so it sees (w + 128) * q; each activation lane carries the
-// correction -128 * sum(q over its 4 bytes) as the accumulator's starting value.
+// Weight layout, interleaved for the integer dot-product instructions: channels are taken in groups of
+// 16 (N padded to a multiple of 16) and K in quads of 4 bytes; group g, quad j is 64 contiguous bytes
+// holding channel 16g + l's bytes 4j..4j+3 in lane l. One vector load then feeds 16 channels, the 4
+// activation bytes are broadcast, and one float conversion + fma per block serves 8 integer steps.
+// Bytes are stored as w + 128 in uint8 (padding is 128, i.e. weight 0). vpdpbusd multiplies unsigned by
+// signed bytes, so it sees (w + 128) * q; each block's integer accumulator starts at -128 * sum(q).
 // =============================================================================================
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512DQ__)
 #define SPECDECODE_VNNI 1
@@ -441,26 +443,29 @@ PyObject* py_rowinv_linear(PyObject*, PyObject* args) {
 #define SPECDECODE_VNNI 0
 #endif
 
-constexpr int64_t kQBlock = 32;  // activation quantization block
-constexpr int64_t kQChunk = 64;  // K per 16-lane step
+constexpr int64_t kQBlock = 32;   // activation quantization block
+constexpr int64_t kGroup = 16;    // channels per interleaved weight group
+constexpr int64_t kGroupUnit = 4; // groups per parallel work unit (a multiple of every tile width)
 
-struct QAct {            // quantized activations, per row: Kp bytes of q, Kp/4 ints, Kp/4 floats
+struct QAct {            // quantized activations, per row: Kp bytes of q, Kp/32 ints and floats
   const int8_t* q;
-  const int32_t* ncorr;  // -128 * sum of the lane's 4 q values
-  const float* d;        // the lane's block scale
+  const int32_t* ncorr;  // -128 * sum of the block's q values
+  const float* d;        // the block's scale
   int64_t ldq;           // = Kp
-  int64_t ldl;           // = Kp / 4
+  int64_t ldb;           // = Kp / 32
 };
 
 struct W8Args {
   QAct x;
-  const uint8_t* w;  // [N, ldw]
-  int64_t ldw;
-  int64_t nchunks;   // Kp / 64
+  const uint8_t* w;  // [ceil(N / 16), Kp * 16], interleaved
+  int64_t Kp;
+  int64_t nblocks;   // Kp / 32
+  int64_t N;
   const float* scale;
   const float* bias;
   float* y;
   int64_t ldy;
+  const uint8_t* group(int64_t g) const { return w + g * Kp * kGroup; }
 };
 
 static void quantize_row(const float* x, int64_t K, int64_t Kp, int8_t* q, int32_t* ncorr, float* dl) {
@@ -470,175 +475,206 @@ static void quantize_row(const float* x, int64_t K, int64_t Kp, int8_t* q, int32
     for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[b0 + i]));
     const float d = amax / 127.0f;
     const float id = d > 0.0f ? 1.0f / d : 0.0f;
+    int32_t sum = 0;
     for (int64_t i = 0; i < kQBlock; ++i) {
       float v = i < n ? std::nearbyint(x[b0 + i] * id) : 0.0f;
       v = std::min(127.0f, std::max(-127.0f, v));
       q[b0 + i] = static_cast<int8_t>(v);
+      sum += q[b0 + i];
     }
-    for (int64_t l = 0; l < kQBlock / 4; ++l) {
-      const int8_t* g = q + b0 + 4 * l;
-      ncorr[b0 / 4 + l] = -128 * (int32_t(g[0]) + g[1] + g[2] + g[3]);
-      dl[b0 / 4 + l] = d;
-    }
+    ncorr[b0 / kQBlock] = -128 * sum;
+    dl[b0 / kQBlock] = d;
   }
 }
 
-#if SPECDECODE_VNNI
-static inline float hsum16(__m512 v) {
-  const __m256 lo = _mm512_castps512_ps256(v);
-  const __m256 hi = _mm512_extractf32x8_ps(v, 1);
-  return vhsum(_mm256_add_ps(lo, hi));
+static inline int32_t load4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
 }
 
+#if SPECDECODE_VNNI
+// R rows x C groups of 16 channels.
 template <int R, int C>
-static inline void w8a8_tile(const W8Args& a, int64_t m0, int64_t n0) {
+static inline void w8a8_tile(const W8Args& a, int64_t m0, int64_t g0) {
   __m512 acc[R][C];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  const uint8_t* wr[C];
+  const uint8_t* wg[C];
 #pragma GCC unroll 8
-  for (int c = 0; c < C; ++c) wr[c] = a.w + (n0 + c) * a.ldw;
-  const char* pf = reinterpret_cast<const char*>(a.w + (n0 + C) * a.ldw);  // the next tile's rows
-  for (int64_t ch = 0; ch < a.nchunks; ++ch) {
-    if (kPrefetch) {
-#pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) prefetch(pf + c * a.ldw + ch * kQChunk);
-    }
-    __m512i wv[C];
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(wr[c] + ch * kQChunk);
+  for (int c = 0; c < C; ++c) wg[c] = a.group(g0 + c);
+  for (int64_t b = 0; b < a.nblocks; ++b) {
+    __m512i t[R][C];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const int64_t m = m0 + r;
-      const __m512i q = _mm512_loadu_si512(a.x.q + m * a.x.ldq + ch * kQChunk);
-      const __m512i nc = _mm512_loadu_si512(a.x.ncorr + m * a.x.ldl + ch * 16);
-      const __m512 d = _mm512_loadu_ps(a.x.d + m * a.x.ldl + ch * 16);
+      const __m512i nc = _mm512_set1_epi32(a.x.ncorr[(m0 + r) * a.x.ldb + b]);
 #pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) {
-        const __m512i t = _mm512_dpbusd_epi32(nc, wv[c], q);
-        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), d, acc[r][c]);
+      for (int c = 0; c < C; ++c) t[r][c] = nc;
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      __m512i wv[C];
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(wg[c] + (b * 8 + j) * 64);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512i q = _mm512_set1_epi32(load4(a.x.q + (m0 + r) * a.x.ldq + b * kQBlock + 4 * j));
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) t[r][c] = _mm512_dpbusd_epi32(t[r][c], wv[c], q);
       }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 d = _mm512_set1_ps(a.x.d[(m0 + r) * a.x.ldb + b]);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[r][c]), d, acc[r][c]);
     }
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
+  for (int c = 0; c < C; ++c) {
+    const int64_t n0 = (g0 + c) * kGroup;
+    const __mmask16 live = static_cast<__mmask16>(n0 + kGroup <= a.N ? 0xFFFF : (1u << (a.N - n0)) - 1);
+    const __m512 sc = _mm512_maskz_loadu_ps(live, a.scale + n0);
+    const __m512 bi = a.bias ? _mm512_maskz_loadu_ps(live, a.bias + n0) : _mm512_setzero_ps();
 #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) {
-      float s = hsum16(acc[r][c]) * a.scale[n0 + c];
-      if (a.bias) s = s + a.bias[n0 + c];
-      a.y[(m0 + r) * a.ldy + n0 + c] = s;
+    for (int r = 0; r < R; ++r) {
+      __m512 v = _mm512_mul_ps(acc[r][c], sc);
+      if (a.bias) v = _mm512_add_ps(v, bi);
+      _mm512_mask_storeu_ps(a.y + (m0 + r) * a.ldy + n0, live, v);
     }
+  }
 }
-constexpr int w8a8_width(int R) { return R == 1 ? 8 : R == 2 ? 6 : R <= 5 ? 4 : 3; }
+constexpr int w8a8_width(int R) { return R <= 3 ? 4 : 2; }
 
 #elif SPECDECODE_AVX2
-template <int R, int C>
-static inline void w8a8_tile(const W8Args& a, int64_t m0, int64_t n0) {
-  __m256 acc[R][C][2];
+// R rows x one group of 16 channels, as H halves of 8 channels (H = 2: both halves at once).
+template <int R, int H>
+static inline void w8a8_group(const W8Args& a, int64_t m0, int64_t g, int h0) {
+  __m256 acc[R][H];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
-  const uint8_t* wr[C];
-#pragma GCC unroll 8
-  for (int c = 0; c < C; ++c) wr[c] = a.w + (n0 + c) * a.ldw;
+#pragma GCC unroll 2
+    for (int h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_ps();
+  const uint8_t* wg = a.group(g) + 32 * h0;
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t ch = 0; ch < a.nchunks; ++ch) {
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      __m256i wv[C];  // signed weights: (w + 128) ^ 0x80 == w
+  for (int64_t b = 0; b < a.nblocks; ++b) {
+    __m256i t[R][H];
 #pragma GCC unroll 8
-      for (int c = 0; c < C; ++c)
-        wv[c] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[c] + ch * kQChunk + 32 * h)), flip);
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+      for (int h = 0; h < H; ++h) t[r][h] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      __m256i wv[H];  // signed weights: (w + 128) ^ 0x80 == w
+#pragma GCC unroll 2
+      for (int h = 0; h < H; ++h)
+        wv[h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + (b * 8 + j) * 64 + 32 * h)), flip);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        const int64_t m = m0 + r;
-        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.x.q + m * a.x.ldq + ch * kQChunk + 32 * h));
+        const __m256i q = _mm256_set1_epi32(load4(a.x.q + (m0 + r) * a.x.ldq + b * kQBlock + 4 * j));
         const __m256i aq = _mm256_abs_epi8(q);
-        const __m256 d = _mm256_loadu_ps(a.x.d + m * a.x.ldl + ch * 16 + 8 * h);
-#pragma GCC unroll 8
-        for (int c = 0; c < C; ++c) {
+#pragma GCC unroll 2
+        for (int h = 0; h < H; ++h) {
           // |q| * (sign(q) * w): byte pairs stay within int16 because |q|, |w| <= 127.
-          const __m256i p = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(wv[c], q));
-          const __m256i t = _mm256_madd_epi16(p, ones);
-          acc[r][c][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), d, acc[r][c][h]);
+          const __m256i p = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(wv[h], q));
+          t[r][h] = _mm256_add_epi32(t[r][h], _mm256_madd_epi16(p, ones));
         }
       }
     }
-  }
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) {
-      float s = vhsum(_mm256_add_ps(acc[r][c][0], acc[r][c][1])) * a.scale[n0 + c];
-      if (a.bias) s = s + a.bias[n0 + c];
-      a.y[(m0 + r) * a.ldy + n0 + c] = s;
+    for (int r = 0; r < R; ++r) {
+      const __m256 d = _mm256_set1_ps(a.x.d[(m0 + r) * a.x.ldb + b]);
+#pragma GCC unroll 2
+      for (int h = 0; h < H; ++h) acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t[r][h]), d, acc[r][h]);
     }
+  }
+#pragma GCC unroll 2
+  for (int h = 0; h < H; ++h) {
+    const int64_t n0 = g * kGroup + 8 * (h0 + h);
+    alignas(32) float out[R][8];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) _mm256_store_ps(out[r], acc[r][h]);
+    for (int l = 0; l < 8 && n0 + l < a.N; ++l) {
+      for (int r = 0; r < R; ++r) {
+        float v = out[r][l] * a.scale[n0 + l];
+        if (a.bias) v = v + a.bias[n0 + l];
+        a.y[(m0 + r) * a.ldy + n0 + l] = v;
+      }
+    }
+  }
 }
-constexpr int w8a8_width(int R) { return R == 1 ? 3 : R == 2 ? 2 : 1; }
+template <int R, int C>
+static inline void w8a8_tile(const W8Args& a, int64_t m0, int64_t g0) {
+  for (int c = 0; c < C; ++c) {
+    if (R <= 3) {
+      w8a8_group<R, 2>(a, m0, g0 + c, 0);
+    } else {
+      w8a8_group<R, 1>(a, m0, g0 + c, 0);
+      w8a8_group<R, 1>(a, m0, g0 + c, 1);
+    }
+  }
+}
+constexpr int w8a8_width(int) { return 1; }
 
 #else  // portable scalar path, same arithmetic
 template <int R, int C>
-static inline void w8a8_tile(const W8Args& a, int64_t m0, int64_t n0) {
+static inline void w8a8_tile(const W8Args& a, int64_t m0, int64_t g0) {
   for (int r = 0; r < R; ++r) {
     const int64_t m = m0 + r;
     const int8_t* q = a.x.q + m * a.x.ldq;
-    const float* dl = a.x.d + m * a.x.ldl;
+    const float* dl = a.x.d + m * a.x.ldb;
     for (int c = 0; c < C; ++c) {
-      const uint8_t* w = a.w + (n0 + c) * a.ldw;
-      float acc[16] = {0};
-      for (int64_t ch = 0; ch < a.nchunks; ++ch) {
-        for (int l = 0; l < 16; ++l) {
+      const uint8_t* wg = a.group(g0 + c);
+      for (int l = 0; l < kGroup && (g0 + c) * kGroup + l < a.N; ++l) {
+        float acc = 0.0f;
+        for (int64_t b = 0; b < a.nblocks; ++b) {
           int32_t t = 0;
-          for (int j = 0; j < 4; ++j) {
-            const int64_t k = ch * kQChunk + 4 * l + j;
-            t += (int32_t(w[k]) - 128) * int32_t(q[k]);
-          }
-          acc[l] = std::fma(static_cast<float>(t), dl[ch * 16 + l], acc[l]);
+          for (int64_t k = b * kQBlock; k < (b + 1) * kQBlock; ++k)
+            t += (int32_t(wg[(k / 4) * 64 + 4 * l + k % 4]) - 128) * int32_t(q[k]);
+          acc = std::fma(static_cast<float>(t), dl[b], acc);
         }
+        const int64_t n = (g0 + c) * kGroup + l;
+        float s = acc * a.scale[n];
+        if (a.bias) s = s + a.bias[n];
+        a.y[m * a.ldy + n] = s;
       }
-      float h[8];
-      for (int l = 0; l < 8; ++l) h[l] = acc[l] + acc[l + 8];
-      const float a0 = h[0] + h[4], a1 = h[1] + h[5], a2 = h[2] + h[6], a3 = h[3] + h[7];
-      float s = ((a0 + a2) + (a1 + a3)) * a.scale[n0 + c];
-      if (a.bias) s = s + a.bias[n0 + c];
-      a.y[m * a.ldy + n0 + c] = s;
     }
   }
 }
-constexpr int w8a8_width(int R) { return R == 1 ? 4 : 2; }
+constexpr int w8a8_width(int) { return 1; }
 #endif
 
 template <int R>
-static void w8a8_rows(const W8Args& a, int64_t m0, int64_t n0, int64_t n1) {
+static void w8a8_rows(const W8Args& a, int64_t m0, int64_t g0, int64_t g1) {
   constexpr int C = w8a8_width(R);
-  int64_t n = n0;
-  for (; n + C <= n1; n += C) w8a8_tile<R, C>(a, m0, n);
-  for (; n < n1; ++n) w8a8_tile<R, 1>(a, m0, n);
+  int64_t g = g0;
+  for (; g + C <= g1; g += C) w8a8_tile<R, C>(a, m0, g);
+  for (; g < g1; ++g) w8a8_tile<R, 1>(a, m0, g);
 }
 
-static void w8a8_run(const W8Args& a, int64_t M, int64_t N) {
-  schedule(M, N, a.ldw, a.nchunks * kQChunk, int64_t(1) << 17, [&](int R, int64_t m, int64_t c0, int64_t c1) {
+static void w8a8_run(const W8Args& a, int64_t M) {
+  const int64_t groups = (a.N + kGroup - 1) / kGroup;
+  schedule(M, groups, a.Kp * kGroup, a.Kp * kGroup, int64_t(1) << 17, [&](int R, int64_t m, int64_t g0, int64_t g1) {
     switch (R) {
-      case 1: w8a8_rows<1>(a, m, c0, c1); break;
-      case 2: w8a8_rows<2>(a, m, c0, c1); break;
-      case 3: w8a8_rows<3>(a, m, c0, c1); break;
-      case 4: w8a8_rows<4>(a, m, c0, c1); break;
-      case 5: w8a8_rows<5>(a, m, c0, c1); break;
-      default: w8a8_rows<6>(a, m, c0, c1); break;
+      case 1: w8a8_rows<1>(a, m, g0, g1); break;
+      case 2: w8a8_rows<2>(a, m, g0, g1); break;
+      case 3: w8a8_rows<3>(a, m, g0, g1); break;
+      case 4: w8a8_rows<4>(a, m, g0, g1); break;
+      case 5: w8a8_rows<5>(a, m, g0, g1); break;
+      default: w8a8_rows<6>(a, m, g0, g1); break;
     }
-  });
+  }, kGroupUnit);
 }
 
-// w8a8_linear(x_ptr, ldx, w_ptr, ldw, K, scale_ptr, bias_ptr, y_ptr, ldy, M, N): x float32 [M, ldx],
-// w uint8 [N, ldw] (ldw % 64 == 0, ldw >= K, padding bytes 128), scale float32 [N], bias 0 or [N].
+// w8a8_linear(x_ptr, ldx, w_ptr, Kp, K, scale_ptr, bias_ptr, y_ptr, ldy, M, N): x float32 [M, ldx],
+// w uint8 interleaved [ceil(N / 16), Kp * 16] (Kp % 32 == 0, Kp >= K, padding bytes 128), scale float32
+// [N], bias 0 or [N].
 PyObject* py_w8a8_linear(PyObject*, PyObject* args) {
-  long long xp, ldx, wp, ldw, K, sp, bp, yp, ldy, M, N;
-  if (!PyArg_ParseTuple(args, "LLLLLLLLLLL", &xp, &ldx, &wp, &ldw, &K, &sp, &bp, &yp, &ldy, &M, &N)) return nullptr;
-  if (M < 0 || N < 0 || K < 0 || ldw % kQChunk != 0 || ldw < K || (M > 1 && ldx < K) || (M > 1 && ldy < N) ||
+  long long xp, ldx, wp, Kp, K, sp, bp, yp, ldy, M, N;
+  if (!PyArg_ParseTuple(args, "LLLLLLLLLLL", &xp, &ldx, &wp, &Kp, &K, &sp, &bp, &yp, &ldy, &M, &N)) return nullptr;
+  if (M < 0 || N < 0 || K < 0 || Kp % kQBlock != 0 || Kp < K || (M > 1 && ldx < K) || (M > 1 && ldy < N) ||
       sp == 0 || (M > 0 && N > 0 && (xp == 0 || wp == 0 || yp == 0))) {
     PyErr_SetString(PyExc_ValueError, "w8a8_linear: invalid arguments");
     return nullptr;
@@ -648,25 +684,26 @@ PyObject* py_w8a8_linear(PyObject*, PyObject* args) {
   const char* err = nullptr;
   Py_BEGIN_ALLOW_THREADS
   try {
-    const int64_t Kp = ldw;
     std::vector<int8_t> q(static_cast<size_t>(M * Kp));
-    std::vector<int32_t> ncorr(static_cast<size_t>(M * Kp / 4));
-    std::vector<float> dl(static_cast<size_t>(M * Kp / 4));
+    std::vector<int32_t> ncorr(static_cast<size_t>(M * Kp / kQBlock));
+    std::vector<float> dl(static_cast<size_t>(M * Kp / kQBlock));
     const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, K));
     at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m)
-        quantize_row(x + m * ldx, K, Kp, q.data() + m * Kp, ncorr.data() + m * Kp / 4, dl.data() + m * Kp / 4);
+        quantize_row(x + m * ldx, K, Kp, q.data() + m * Kp, ncorr.data() + m * Kp / kQBlock,
+                     dl.data() + m * Kp / kQBlock);
     });
     W8Args a;
-    a.x = QAct{q.data(), ncorr.data(), dl.data(), Kp, Kp / 4};
+    a.x = QAct{q.data(), ncorr.data(), dl.data(), Kp, Kp / kQBlock};
     a.w = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(wp));
-    a.ldw = ldw;
-    a.nchunks = Kp / kQChunk;
+    a.Kp = Kp;
+    a.nblocks = Kp / kQBlock;
+    a.N = N;
     a.scale = reinterpret_cast<const float*>(static_cast<uintptr_t>(sp));
     a.bias = reinterpret_cast<const float*>(static_cast<uintptr_t>(bp));
     a.y = reinterpret_cast<float*>(static_cast<uintptr_t>(yp));
     a.ldy = ldy;
-    w8a8_run(a, M, N);
+    w8a8_run(a, M);
   } catch (const std::exception&) {
     err = "w8a8_linear: kernel failed";
   }

@@ -17,7 +17,8 @@ Weight formats (``pack_linear``):
   * ``bf16``: bfloat16 weight (round-to-nearest-even from wider types), widened to fp32 in-register.
   * ``int8``: symmetric per-output-channel quantization, ``scale = absmax / 127``,
     ``q = round(w / scale)``; the kernel computes ``(x . q) * scale`` with fp32 activations.
-  * ``w8a8``: the same int8 weights (stored as ``q + 128`` in uint8, K padded to a multiple of 64),
+  * ``w8a8``: the same int8 weights (stored as ``q + 128`` in uint8, K padded to a multiple of 32, and
+    interleaved in groups of 16 channels x 4 bytes for the integer dot-product instructions: ``_interleave``),
     multiplied by activations that the kernel quantizes per row in blocks of 32 (``quantize_activations``),
     with exact integer dot products (AVX-512 VNNI or AVX2). Integer sums have no order, so row
     invariance is free, and a pass over several rows costs little more than over one.
@@ -43,7 +44,8 @@ logger = logging.getLogger(__name__)
 FORMATS = ("fp32", "bf16", "int8", "w8a8")
 _FMT_CODE = {"fp32": 0, "bf16": 1, "int8": 2, "w8a8": 3}
 _WEIGHT_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "w8a8": torch.uint8}
-_K_ALIGN = {"fp32": 8, "bf16": 8, "int8": 8, "w8a8": 64}
+_K_ALIGN = {"fp32": 8, "bf16": 8, "int8": 8, "w8a8": 32}
+W8A8_GROUP = 16  # channels per interleaved w8a8 weight group
 ACT_BLOCK = 32  # w8a8 activation quantization block (along K)
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_linear.cpp")
 
@@ -66,17 +68,19 @@ class PackedLinear:
     """A weight prepared for the kernel.
 
     ``weight`` is ``[N, Kp]`` (Kp = K rounded up to a multiple of 8, zero padded) of dtype float32,
-    bfloat16 or int8 depending on ``fmt``; ``scale`` is float32 ``[N]`` for int8, else None.
+    bfloat16 or int8 depending on ``fmt``; for w8a8 it is uint8 ``[ceil(N / 16), Kp * 16]`` in the
+    interleaved layout (``_interleave``). ``scale`` is float32 ``[N]`` for int8 and w8a8, else None.
     A plain object (not an nn.Module) so that it never shows up in a model's state_dict.
     """
 
     __slots__ = ("fmt", "out_features", "in_features", "weight", "scale", "_dense_cache", "_checked")
 
-    def __init__(self, fmt: str, weight: torch.Tensor, scale: torch.Tensor | None, in_features: int):
+    def __init__(self, fmt: str, weight: torch.Tensor, scale: torch.Tensor | None, in_features: int,
+                 out_features: int | None = None):
         self.fmt = fmt
         self.weight = weight
         self.scale = scale
-        self.out_features = int(weight.shape[0])
+        self.out_features = int(weight.shape[0] if out_features is None else out_features)
         self.in_features = int(in_features)
         self._dense_cache: dict[torch.device, torch.Tensor] = {}
         self._checked: tuple = ()
@@ -90,11 +94,18 @@ class PackedLinear:
         if self._checked and self._checked[0] == key:
             return self._checked[1]
         N, K = self.out_features, self.in_features
-        if (w.dtype != _WEIGHT_DTYPE[self.fmt] or w.ndim != 2 or w.shape[0] != N or w.stride(1) != 1
+        if self.fmt == "w8a8":
+            Kp = w.shape[1] // W8A8_GROUP if w.ndim == 2 else 0
+            if (w.dtype != torch.uint8 or w.ndim != 2 or not w.is_contiguous() or not w.is_cpu
+                    or w.shape[0] != -(-N // W8A8_GROUP) or Kp < K or Kp % _K_ALIGN["w8a8"]
+                    or w.shape[1] != Kp * W8A8_GROUP):
+                raise ValueError(f"w8a8_linear: malformed interleaved weight {tuple(w.shape)} {w.dtype} for {self!r}")
+            stride = Kp
+        elif (w.dtype != _WEIGHT_DTYPE[self.fmt] or w.ndim != 2 or w.shape[0] != N or w.stride(1) != 1
                 or w.shape[1] < _round_up(K, _K_ALIGN[self.fmt]) or (N > 1 and w.stride(0) < w.shape[1]) or not w.is_cpu):
             raise ValueError(f"rowinv_linear: malformed packed weight {tuple(w.shape)} {w.dtype} for {self!r}")
-        if self.fmt == "w8a8" and w.stride(0) % 64:
-            raise ValueError(f"w8a8_linear: row stride {w.stride(0)} is not a multiple of 64 for {self!r}")
+        else:
+            stride = w.stride(0)
         if self.fmt in ("int8", "w8a8"):
             if scale is None or tuple(scale.shape) != (N,):
                 raise ValueError("rowinv_linear: int8 weight needs a [N] scale")
@@ -102,7 +113,7 @@ class PackedLinear:
                 scale = scale.to(device="cpu", dtype=torch.float32).contiguous()
         else:
             scale = None
-        args = (w.data_ptr(), w.stride(0), _FMT_CODE[self.fmt], scale)
+        args = (w.data_ptr(), stride, _FMT_CODE[self.fmt], scale)
         self._checked = (key, args)
         return args
 
@@ -113,6 +124,9 @@ class PackedLinear:
     def select_rows(self, rows: torch.Tensor) -> "PackedLinear":
         """The same format restricted to output channels ``rows`` (copied)."""
         scale = self.scale[rows].contiguous() if self.scale is not None else None
+        if self.fmt == "w8a8":
+            return PackedLinear(self.fmt, _interleave(_w8a8_rows(self, 0, self.out_features)[rows]), scale,
+                                self.in_features, len(rows))
         return PackedLinear(self.fmt, self.weight[rows].contiguous(), scale, self.in_features)
 
     @property
@@ -168,8 +182,27 @@ def pack_linear(weight: torch.Tensor, fmt: str) -> PackedLinear:
         q[n0:n0 + step, :K] = torch.round(blk / s[:, None]).clamp_(-127, 127).to(torch.int8)
         scale[n0:n0 + step] = s
     if fmt == "w8a8":  # unsigned storage for vpdpbusd; padding becomes 128, i.e. weight 0
-        q = (q.to(torch.int16) + 128).to(torch.uint8)
+        return PackedLinear(fmt, _interleave((q.to(torch.int16) + 128).to(torch.uint8)), scale, K, N)
     return PackedLinear(fmt, q, scale, K)
+
+
+def _interleave(w: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[N, Kp]`` -> ``[ceil(N / 16), Kp * 16]``: for each group of 16 channels, K in quads of 4 bytes,
+    each quad's 64 bytes holding the 16 channels' 4 bytes side by side (padding channels are 128 = 0)."""
+    N, Kp = w.shape
+    G = -(-N // W8A8_GROUP)
+    full = torch.full((G * W8A8_GROUP, Kp), 128, dtype=torch.uint8, device=w.device)
+    full[:N] = w
+    return full.view(G, W8A8_GROUP, Kp // 4, 4).permute(0, 2, 1, 3).contiguous().view(G, Kp * W8A8_GROUP)
+
+
+def _w8a8_rows(packed: PackedLinear, n0: int, n1: int) -> torch.Tensor:
+    """Logical uint8 rows ``[n0, n1)`` (``[n1 - n0, Kp]``, values q + 128) of an interleaved w8a8 weight."""
+    g0, g1 = n0 // W8A8_GROUP, -(-n1 // W8A8_GROUP)
+    Kp = packed.weight.shape[1] // W8A8_GROUP
+    groups = packed.weight[g0:g1].view(g1 - g0, Kp // 4, W8A8_GROUP, 4).permute(0, 2, 1, 3)
+    rows = groups.reshape((g1 - g0) * W8A8_GROUP, Kp)
+    return rows[n0 - g0 * W8A8_GROUP:n1 - g0 * W8A8_GROUP]
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
@@ -192,9 +225,11 @@ def dequantize(packed: PackedLinear) -> torch.Tensor:
 
 def _dequantize_rows(packed: PackedLinear, n0: int, n1: int) -> torch.Tensor:
     """float32 weight rows [n0, n1) (a view for fp32, a new tensor otherwise)."""
-    w = packed.weight[n0:n1, :packed.in_features]
     if packed.fmt == "w8a8":
-        w = w.to(torch.int16) - 128
+        n1 = min(n1, packed.out_features)
+        w = _w8a8_rows(packed, n0, n1)[:, :packed.in_features].to(torch.int16) - 128
+    else:
+        w = packed.weight[n0:n1, :packed.in_features]
     return w.float() * packed.scale[n0:n1, None] if packed.scale is not None else w.float()
 
 
