@@ -115,3 +115,11 @@ def test_new_requests_start_from_the_acceptance_seen_so_far():
     assert p1 < 0.05
     c.observe_acceptance(Acceptance(), 0, 0)  # a plain step: nothing learned
     assert Acceptance().rates(c.prior)[0] == p1
+
+
+def test_verify_cost_never_falls_as_rows_grow():
+    c = _costs({1: 0.10, 4: 0.12, 6: 0.15, 7: 0.11, 9: 0.20}, 0.0)  # 7 rows measured low by noise
+    costs = [c.verify_cost(r) for r in range(1, 12)]
+    assert costs == sorted(costs)
+    assert c.verify_cost(7) == pytest.approx(0.15) and c.verify_cost(2) == pytest.approx(0.10 + 0.02 / 3)
+    assert CostModel().verify_cost(3) is None

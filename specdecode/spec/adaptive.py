@@ -99,11 +99,17 @@ class CostModel:
         request.observe(drafted, accepted)
 
     def verify_cost(self, rows: int) -> float | None:
-        if rows in self.verify:
-            return self.verify[rows]
+        """Seconds for a pass over `rows` rows: measured or interpolated, and never below the cost of
+        fewer rows (a pass over more rows cannot be cheaper; a noisy low reading must not lure k up)."""
         known = sorted(self.verify)
         if not known:
             return None
+        floor = max((self.verify[r] for r in known if r < rows), default=0.0)
+        return max(floor, self._interpolated(rows, known))
+
+    def _interpolated(self, rows: int, known: list[int]) -> float:
+        if rows in self.verify:
+            return self.verify[rows]
         # Interpolate linearly between measured row counts (extrapolate from the two nearest).
         lo = max((r for r in known if r <= rows), default=known[0])
         hi = min((r for r in known if r >= rows), default=known[-1])
