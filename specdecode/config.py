@@ -15,7 +15,7 @@ logger = logging.getLogger("specdecode")
 SPEC_METHODS = ("draft_model", "ngram")
 MAX_SPEC_TOKENS = 16
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = (None, "none", "int8", "w8a8")
+QUANTIZATIONS = (None, "none", "int8", "w8a8", "w4a8")
 
 
 def _err(msg: str) -> ValueError:
@@ -38,6 +38,11 @@ class SpeculativeConfig:
     # most frequent tokens) plus the special tokens in the draft's LM head. The head is a large share of a
     # small draft's weights; drafts stay exact proposals, so output is unchanged, only acceptance may dip.
     draft_vocab_size: int | None = None
+    # Draft model only: its own weight format (vLLM's speculative_model_quantization). None: the target's;
+    # "none": unquantized whatever the target uses.
+    # A draft's precision only moves the acceptance rate, never the output, so "w4a8" (half the bytes of
+    # w8a8) is usually the cheapest draft on a CPU.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -66,13 +71,20 @@ class SpeculativeConfig:
                 raise _err("draft_vocab_size only applies to a draft model (n-gram drafts need no LM head).")
             if not isinstance(v, int) or isinstance(v, bool) or v < 256:
                 raise _err(f"draft_vocab_size must be an integer >= 256 (e.g. 32768), got {v!r}.")
+        if self.quantization is not None:
+            if self.method != "draft_model":
+                raise _err("speculative quantization only applies to a draft model (n-gram drafting has none).")
+            if self.quantization not in QUANTIZATIONS:
+                raise _err(f"speculative quantization must be one of {', '.join(q for q in QUANTIZATIONS if q)}, "
+                           f"got {self.quantization!r}.")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
         d = dict(d)
         aliases = {"draft_model": "model", "num_draft_tokens": "num_speculative_tokens",
                    "ngram_prompt_lookup_max": "prompt_lookup_max", "ngram_prompt_lookup_min": "prompt_lookup_min",
-                   "speculative_disable_by_batch_size": "disable_by_batch_size"}
+                   "speculative_disable_by_batch_size": "disable_by_batch_size",
+                   "speculative_model_quantization": "quantization"}
         for old, new in aliases.items():
             if old in d and new not in d:
                 d[new] = d.pop(old)
@@ -94,6 +106,7 @@ class SpeculativeConfig:
 
 @dataclass
 class EngineConfig:
+
     model: str | None = None  # None: the embedded default target
     tokenizer: str | None = None
     dtype: str = "auto"
@@ -112,8 +125,8 @@ class EngineConfig:
         if self.quantization == "none":
             self.quantization = None
         if self.quantization not in QUANTIZATIONS:
-            raise _err(f"quantization must be 'int8' (int8 weights), 'w8a8' (int8 weights and activations) "
-                       f"or None, got {self.quantization!r}.")
+            raise _err(f"quantization must be 'int8' (int8 weights), 'w8a8' (int8 weights and activations), "
+                       f"'w4a8' (4-bit weights, int8 activations) or None, got {self.quantization!r}.")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise _err(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}.")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
@@ -127,9 +140,19 @@ class EngineConfig:
             import torch
             if not torch.cuda.is_available():
                 raise _err(f"device={self.device!r} was requested but CUDA is not available; use device='cpu'.")
+        draft_q = self.speculative.quantization if self.speculative is not None else None
+        if draft_q not in (None, "none") and self.device != "cpu":
+            raise _err(f"speculative quantization={draft_q!r} uses this package's CPU kernels and is not available "
+                       f"on device={self.device!r}; on a GPU use dtype='bfloat16' or 'float16' instead.")
         if self.quantization is not None and self.device != "cpu":
             raise _err(f"quantization={self.quantization!r} uses this package's CPU kernels and is not available "
                        f"on device={self.device!r}; on a GPU use dtype='bfloat16' or 'float16' instead.")
+
+    def draft_quantization(self) -> str | None:
+        """The weight format the draft model loads with."""
+        q = self.speculative.quantization if self.speculative is not None else None
+        q = self.quantization if q is None else q
+        return None if q == "none" else q
 
     @classmethod
     def from_kwargs(cls, **kw: Any) -> "EngineConfig":
@@ -139,7 +162,8 @@ class EngineConfig:
         legacy = {k: kw.pop(k) for k in ("speculative_model", "num_speculative_tokens",
                                          "ngram_prompt_lookup_max", "ngram_prompt_lookup_min",
                                          "speculative_disable_by_batch_size", "speculative_draft_p_min",
-                                         "speculative_adaptive", "speculative_draft_vocab_size") if k in kw}
+                                         "speculative_adaptive", "speculative_draft_vocab_size",
+                                         "speculative_model_quantization") if k in kw}
         if sc is not None and legacy:
             raise _err("Pass either speculative_config={...} or the legacy speculative_* keywords, not both.")
         if isinstance(sc, SpeculativeConfig):
@@ -158,7 +182,8 @@ class EngineConfig:
                                  ("speculative_disable_by_batch_size", "disable_by_batch_size"),
                                  ("speculative_draft_p_min", "draft_p_min"),
                                  ("speculative_adaptive", "adaptive"),
-                                 ("speculative_draft_vocab_size", "draft_vocab_size")):
+                                 ("speculative_draft_vocab_size", "draft_vocab_size"),
+                                 ("speculative_model_quantization", "quantization")):
                     if legacy.get(src) is not None:
                         spec_dict[dst] = legacy[src]
                 if spec_dict.get("model") is None:

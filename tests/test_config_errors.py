@@ -283,6 +283,28 @@ def test_quantization_values_and_device(tiny_models):
     _raises(lambda: EngineConfig(model=model, quantization="w8a8", device="xpu"), "w8a8", "xpu", "CPU",
             "bfloat16")
     assert EngineConfig(model=model, quantization="w8a8", device="cpu").quantization == "w8a8"
+    assert EngineConfig(model=model, quantization="w4a8", device="cpu").quantization == "w4a8"
+
+
+def test_draft_quantization_validation(tiny_models, tiny_draft):
+    from specdecode.config import EngineConfig
+
+    model, draft = str(tiny_models["llama"]), str(tiny_draft)
+    _raises(lambda: EngineConfig.from_kwargs(model=model, speculative_model="[ngram]", num_speculative_tokens=2,
+                                             speculative_model_quantization="w4a8"), "quantization", "draft model")
+    _raises(lambda: EngineConfig.from_kwargs(model=model, speculative_model=draft, num_speculative_tokens=2,
+                                             speculative_model_quantization="int3"), "w4a8", "int3")
+    _raises(lambda: EngineConfig.from_kwargs(model=model, speculative_model=draft, num_speculative_tokens=2,
+                                             speculative_model_quantization="w4a8", device="xpu"), "w4a8", "xpu")
+    # vLLM's current form takes the same key inside speculative_config.
+    cfg = EngineConfig.from_kwargs(model=model, speculative_config={"model": draft, "num_speculative_tokens": 2,
+                                                                    "quantization": "w4a8"})
+    assert cfg.speculative.quantization == "w4a8" and cfg.quantization is None
+    cfg = EngineConfig.from_kwargs(model=model, quantization="w8a8", speculative_model=draft,
+                                   num_speculative_tokens=2, speculative_model_quantization="none")
+    assert cfg.draft_quantization() is None and cfg.quantization == "w8a8"
+    cfg = EngineConfig.from_kwargs(model=model, quantization="w8a8", speculative_model=draft, num_speculative_tokens=2)
+    assert cfg.draft_quantization() == "w8a8"
 
 
 def test_draft_vocab_size_validation(tiny_models, tiny_draft):

@@ -155,7 +155,7 @@ def test_metrics_add_up(proposer, one_thread, tiny_models, noisy_drafts):
         assert key in d
 
 
-@pytest.mark.parametrize("quantization", [None, "int8", "w8a8"])
+@pytest.mark.parametrize("quantization", [None, "int8", "w8a8", "w4a8"])
 @pytest.mark.parametrize("proposer", ["draft", "ngram"])
 def test_quantized_speculative_greedy_equals_plain(quantization, proposer, llm_cache, tiny_models, noisy_drafts):
     """Quantized weights (and w8a8's quantized activations) still give plain greedy's ids under speculation,
@@ -184,14 +184,15 @@ def test_quantized_speculative_greedy_equals_plain(quantization, proposer, llm_c
 def test_default_pair_speculative_greedy_equals_plain(one_thread, quantization):
     """The real default pair (Qwen2.5-Coder 1.5B target, 0.5B draft), k=4, batch of 2 prompts of different
     lengths, 32 tokens: draft-model and n-gram speculation give plain greedy's ids, at the default dtype and
-    with int8 weights and activations.
+    with int8 weights and activations (the draft then in 4-bit w4a8, the recommended CPU setup).
 
     To load the 1.5B target once, one engine serves all three runs: plain decoding is the same engine with
     its proposer removed (exactly the state of an engine built without speculation), and n-gram is the same
     engine with an n-gram proposer swapped in."""
     from specdecode.spec.ngram import NgramProposer
 
-    llm = LLM(num_speculative_tokens=4, max_model_len=512, quantization=quantization)
+    llm = LLM(num_speculative_tokens=4, max_model_len=512, quantization=quantization,
+              speculative_model_quantization="w4a8" if quantization else None)
     assert llm.config.speculative.method == "draft_model"
     prompts = ["def is_prime(n):\n    \"\"\"Return True if n is a prime number.\"\"\"\n",
                "<|im_start|>user\nWrite a Python function that reverses a linked list, with a docstring "
@@ -250,4 +251,22 @@ def test_truncated_draft_vocab_keeps_greedy_exact(plain, llm_cache, tiny_models,
     outs = _generate(llm, PROMPTS, max_tokens=MAX_TOKENS, **GREEDY)
     assert [list(o.outputs[0].token_ids) for o in outs] == batched
     assert any(t >= 256 for ids in batched for t in ids)  # the target does emit tokens the draft cannot propose
+    assert sum(o.metrics.spec_decode.num_accepted_tokens for o in outs) > 0
+
+
+def test_draft_in_its_own_quantization_keeps_greedy_exact(plain, llm_cache, tiny_models, noisy_drafts):
+    """speculative_model_quantization gives the draft its own weight format (here 4-bit, the target fp32):
+    only acceptance may change, never the ids."""
+    from specdecode.layers.linear import Linear
+
+    fam = "qwen2"
+    llm = llm_cache.get(tiny_models[fam], speculative_model=noisy_drafts[fam], num_speculative_tokens=3,
+                        speculative_model_quantization="w4a8")
+    draft_fmts = {m.packed.fmt for m in llm.engine.proposer.runner.model.modules()
+                  if isinstance(m, Linear) and m.packed is not None}
+    target_fmts = {m.packed.fmt for m in llm.engine.target.model.modules()
+                   if isinstance(m, Linear) and m.packed is not None}
+    assert draft_fmts == {"w4a8"} and target_fmts == {"fp32"}
+    outs = _generate(llm, PROMPTS, max_tokens=MAX_TOKENS, **GREEDY)
+    assert [list(o.outputs[0].token_ids) for o in outs] == plain(fam)[0]
     assert sum(o.metrics.spec_decode.num_accepted_tokens for o in outs) > 0

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from specdecode.layers import kernels
 
-FMTS = ("fp32", "bf16", "int8", "w8a8")
+FMTS = ("fp32", "bf16", "int8", "w8a8", "w4a8")
 MS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17)
 SHAPES = [(n, k) for k in (64, 72, 1536) for n in (64, 257)]
 
@@ -46,8 +46,8 @@ def _x(m: int, k: int, seed: int) -> torch.Tensor:
 
 
 def _reference(x: torch.Tensor, packed, bias=None) -> torch.Tensor:
-    """What the kernel computes, in plain torch (w8a8 also quantizes the activations)."""
-    xq = kernels.quantize_activations(x) if packed.fmt == "w8a8" else x
+    """What the kernel computes, in plain torch (w8a8 and w4a8 also quantize the activations)."""
+    xq = kernels.quantize_activations(x) if packed.fmt in ("w8a8", "w4a8") else x
     return F.linear(xq, kernels.dequantize(packed), bias)
 
 
@@ -136,7 +136,25 @@ def test_accuracy(n, k):
     assert _rel_err(kernels.rowinv_linear(x, pw), _reference(x, pw)) < 1e-5
     assert _rel_err(kernels.rowinv_linear(x, pw), ref) < 3e-2
 
-    for p in (p32, pbf, p8, pw):
+    p4 = kernels.pack_linear(w, "w4a8")
+    w4 = kernels.dequantize(p4)
+    assert w4.shape == (n, k)
+    # 4-bit weights with a scale per 32: each block's values are 16 levels of its fp16 scale, and the
+    # chosen scale is at least as good as the plain absmax/8 one (one of the candidates).
+    blocks = F.pad(w, (0, -k % 32)).view(n, -1, 32)
+    q_blocks = F.pad(w4, (0, -k % 32)).view(n, -1, 32)
+    for i in range(min(n, 8)):
+        for b in range(blocks.shape[1]):
+            levels = torch.unique(q_blocks[i, b])
+            assert len(levels) <= 16
+            vmax = blocks[i, b].abs().max()
+            s = (vmax / 8).half().float()
+            plain = (torch.round(blocks[i, b] / s).clamp(-8, 7) * s - blocks[i, b]).pow(2).sum()
+            assert (q_blocks[i, b] - blocks[i, b]).pow(2).sum() <= plain * (1 + 1e-5) + 1e-12
+    assert _rel_err(kernels.rowinv_linear(x, p4), _reference(x, p4)) < 1e-5
+    assert _rel_err(kernels.rowinv_linear(x, p4), ref) < 0.25
+
+    for p in (p32, pbf, p8, pw, p4):
         out = kernels.rowinv_linear(x, p, bias)
         assert _rel_err(out, _reference(x, p, bias)) < 1e-4
         assert torch.equal(out, kernels.rowinv_linear(x, p) + bias) or _rel_err(
@@ -272,7 +290,21 @@ def test_activation_quantization_is_per_row_and_per_block():
     assert torch.all(q[1, 40:64] == 0)
 
 
-def test_w8a8_instruction_sets_agree_bitwise(tmp_path):
+def test_w4a8_select_rows_and_layout_round_trip():
+    w = _weight(70, 100, 5)
+    p = kernels.pack_linear(w, "w4a8")
+    q, sc = kernels._w4_unpack(p)
+    assert q.shape == (70, 128) and sc.shape == (70, 4) and int(q.min()) >= -8 and int(q.max()) <= 7
+    again = kernels._w4_pack(q, sc, 100)
+    assert torch.equal(again.weight, p.weight) and torch.equal(again.scale, p.scale)
+    rows = torch.tensor([69, 0, 17, 16, 33])
+    sub = p.select_rows(rows)
+    assert torch.equal(kernels.dequantize(sub), kernels.dequantize(p)[rows])
+    x = _x(6, 100, 6)
+    assert torch.equal(kernels.rowinv_linear(x, sub), kernels.rowinv_linear(x, p)[:, rows])
+
+
+def test_integer_instruction_sets_agree_bitwise(tmp_path):
     """The AVX-512 VNNI, AVX2 and portable paths compute the same integer lanes and the same float
     epilogue, so a model gives the same tokens on any x86 CPU. Builds the kernel with the wider
     instruction sets switched off and compares against the default build."""
@@ -284,10 +316,13 @@ def test_w8a8_instruction_sets_agree_bitwise(tmp_path):
     variants = {"scalar": base}
     if kernels._ext.isa() == "avx512-vnni":
         variants["avx2"] = base + ["-march=native", "-mno-avx512f"]
+    if kernels._ext.isa() != "scalar":  # w4a8's scales are fp16: the path without F16C converts them itself
+        variants["avx2_no_f16c"] = base + ["-march=native", "-mno-avx512f", "-mno-f16c"]
     cases = []
     for i, (n, k) in enumerate([(64, 64), (257, 72), (131, 1536), (40, 4100)]):
         w = _weight(n, k, 60 + i)
-        cases.append((kernels.pack_linear(w, "w8a8"), _x(7, k, 70 + i) * 4, torch.randn(n)))
+        for fmt in ("w8a8", "w4a8"):
+            cases.append((kernels.pack_linear(w, fmt), _x(7, k, 70 + i) * 4, torch.randn(n)))
     expected = [kernels.rowinv_linear(x, p, b) for p, x, b in cases]
     saved = kernels._ext
     try:
@@ -295,7 +330,7 @@ def test_w8a8_instruction_sets_agree_bitwise(tmp_path):
             mod = cpp_extension.load(name=f"specdecode_w8a8_{name}_{kernels._cpu_tag()}", sources=[kernels._SOURCE],
                                      extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                      build_directory=str(tmp_path), verbose=False)
-            assert mod.isa() == name
+            assert mod.isa() == name.removesuffix("_no_f16c")
             kernels._ext = mod
             for (p, x, b), want in zip(cases, expected):
                 assert torch.equal(kernels.rowinv_linear(x, p, b), want), f"{name} differs from {saved.isa()}"

@@ -84,6 +84,7 @@ class BenchSettings:
     adaptive: bool = False            # engine-chosen k per step, up to each config's k
     draft_p_min: float = 0.0          # draft configs stop drafting below this top probability
     draft_vocab_size: int | None = None  # draft configs: truncated draft LM head
+    draft_quantization: str | None = None  # draft configs: the draft's weight format (None: the target's)
 
 
 @dataclass
@@ -304,7 +305,8 @@ class BenchRunner:
         kmax = max(s.ks) if s.ks else 1
         if need_draft:
             kw.update(speculative_model=s.draft_model or "default", num_speculative_tokens=kmax,
-                      speculative_draft_p_min=s.draft_p_min, speculative_draft_vocab_size=s.draft_vocab_size)
+                      speculative_draft_p_min=s.draft_p_min, speculative_draft_vocab_size=s.draft_vocab_size,
+                      speculative_model_quantization=s.draft_quantization)
         elif "ngram" in s.methods:
             kw.update(speculative_model="[ngram]", num_speculative_tokens=kmax,
                       ngram_prompt_lookup_min=s.ngram_min, ngram_prompt_lookup_max=s.ngram_max)
@@ -435,6 +437,7 @@ class BenchRunner:
             "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
             "greedy": s.temperature == 0, "seed": s.seed, "ignore_eos": s.ignore_eos, "adaptive_k": s.adaptive,
             "draft_p_min": s.draft_p_min, "draft_vocab_size": s.draft_vocab_size,
+            "draft_quantization": s.draft_quantization,
             "chat_template": self.use_chat, "ngram_min": s.ngram_min, "ngram_max": s.ngram_max,
             "dtype": s.dtype, "quantization": s.quantization, "threads": torch.get_num_threads(),
             "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),

@@ -48,7 +48,7 @@ class LLMEngine:
         elif spec is not None:
             from specdecode.spec.draft_model import DraftModelProposer, draft_vocab_ids
             draft_path = resolve_model(None if spec.model == "default" else spec.model, "draft")
-            draft = load_model(draft_path, c.dtype, c.device, self.max_model_len, c.quantization)
+            draft = load_model(draft_path, c.dtype, c.device, self.max_model_len, c.draft_quantization())
             check_draft_compatible(self.tokenizer, load_tokenizer(draft_path, draft.is_gguf),
                                    target.model.param_count(), draft.model.param_count(),
                                    target.model.args.vocab_size, draft.model.args.vocab_size)

@@ -140,9 +140,14 @@ def _add_model_flags(p: argparse.ArgumentParser, draft_help: str, with_k: bool =
                    help="CPU threads for torch (default: torch's choice)")
     e.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="weight dtype (default auto: float32 on CPU)")
-    e.add_argument("-q", "--quantization", choices=["int8", "w8a8", "none"], default=None,
+    e.add_argument("-q", "--quantization", choices=["int8", "w8a8", "w4a8", "none"], default=None,
                    help="int8: per-channel int8 weights, fp32 activations; w8a8: int8 weights and int8 "
-                        "activations (blocks of 32, integer dot products; fastest on CPU)")
+                        "activations (blocks of 32, integer dot products; fastest on CPU); w4a8: 4-bit "
+                        "weights (a scale per 32), int8 activations")
+    e.add_argument("-qd", "--quantization-draft", dest="quantization_draft",
+                   choices=["int8", "w8a8", "w4a8", "none"], default=None,
+                   help="the draft model's weight format (default: the same as -q); a draft's precision only "
+                        "changes how often its tokens are accepted, never the output")
     e.add_argument("-s", "--seed", type=int, default=0, help="random seed (default 0)")
 
 
@@ -216,6 +221,8 @@ def _engine_kwargs(args, k: int | None) -> dict:
             kw["speculative_draft_p_min"] = args.draft_p_min
         if args.draft_vocab_size and draft != "[ngram]":
             kw["speculative_draft_vocab_size"] = args.draft_vocab_size
+        if args.quantization_draft and draft != "[ngram]":
+            kw["speculative_model_quantization"] = args.quantization_draft
         if draft == "[ngram]":
             if args.ngram_min > args.ngram_max:
                 raise CLIError(f"--ngram-min ({args.ngram_min}) must not exceed --ngram-max ({args.ngram_max})")
@@ -511,7 +518,8 @@ def cmd_bench(args) -> int:
         ignore_eos=args.ignore_eos, chat_template=args.chat_template, ngram_min=args.ngram_min,
         ngram_max=args.ngram_max, dtype=args.dtype, quantization=args.quantization, num_threads=args.threads,
         max_model_len=args.max_model_len, warmup=not args.no_warmup, progress=not args.no_progress,
-        adaptive=args.adaptive, draft_p_min=args.draft_p_min, draft_vocab_size=args.draft_vocab_size)
+        adaptive=args.adaptive, draft_p_min=args.draft_p_min, draft_vocab_size=args.draft_vocab_size,
+        draft_quantization=args.quantization_draft)
     from specdecode.sampling_params import SamplingParams
     SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)  # validate early
     runner = BenchRunner(settings)

@@ -668,19 +668,9 @@ static void w8a8_run(const W8Args& a, int64_t M) {
   }, kGroupUnit);
 }
 
-// w8a8_linear(x_ptr, ldx, w_ptr, Kp, K, scale_ptr, bias_ptr, y_ptr, ldy, M, N): x float32 [M, ldx],
-// w uint8 interleaved [ceil(N / 16), Kp * 16] (Kp % 32 == 0, Kp >= K, padding bytes 128), scale float32
-// [N], bias 0 or [N].
-PyObject* py_w8a8_linear(PyObject*, PyObject* args) {
-  long long xp, ldx, wp, Kp, K, sp, bp, yp, ldy, M, N;
-  if (!PyArg_ParseTuple(args, "LLLLLLLLLLL", &xp, &ldx, &wp, &Kp, &K, &sp, &bp, &yp, &ldy, &M, &N)) return nullptr;
-  if (M < 0 || N < 0 || K < 0 || Kp % kQBlock != 0 || Kp < K || (M > 1 && ldx < K) || (M > 1 && ldy < N) ||
-      sp == 0 || (M > 0 && N > 0 && (xp == 0 || wp == 0 || yp == 0))) {
-    PyErr_SetString(PyExc_ValueError, "w8a8_linear: invalid arguments");
-    return nullptr;
-  }
-  if (M == 0 || N == 0) Py_RETURN_NONE;
-  const float* x = reinterpret_cast<const float*>(static_cast<uintptr_t>(xp));
+// Quantizes the activations of x [M, ldx] (blocks of 32, see quantize_row) and hands them to run(QAct).
+template <typename RunFn>
+static const char* with_quantized_x(const float* x, int64_t ldx, int64_t K, int64_t Kp, int64_t M, RunFn&& run) {
   const char* err = nullptr;
   Py_BEGIN_ALLOW_THREADS
   try {
@@ -693,23 +683,322 @@ PyObject* py_w8a8_linear(PyObject*, PyObject* args) {
         quantize_row(x + m * ldx, K, Kp, q.data() + m * Kp, ncorr.data() + m * Kp / kQBlock,
                      dl.data() + m * Kp / kQBlock);
     });
-    W8Args a;
-    a.x = QAct{q.data(), ncorr.data(), dl.data(), Kp, Kp / kQBlock};
-    a.w = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(wp));
-    a.Kp = Kp;
-    a.nblocks = Kp / kQBlock;
-    a.N = N;
-    a.scale = reinterpret_cast<const float*>(static_cast<uintptr_t>(sp));
-    a.bias = reinterpret_cast<const float*>(static_cast<uintptr_t>(bp));
-    a.y = reinterpret_cast<float*>(static_cast<uintptr_t>(yp));
-    a.ldy = ldy;
-    w8a8_run(a, M);
+    run(QAct{q.data(), ncorr.data(), dl.data(), Kp, Kp / kQBlock});
   } catch (const std::exception&) {
-    err = "w8a8_linear: kernel failed";
+    err = "kernel failed";
   }
   Py_END_ALLOW_THREADS
+  return err;
+}
+
+// w8a8_linear(x_ptr, ldx, w_ptr, Kp, K, scale_ptr, bias_ptr, y_ptr, ldy, M, N): x float32 [M, ldx],
+// w uint8 interleaved [ceil(N / 16), Kp * 16] (Kp % 32 == 0, Kp >= K, padding bytes 128), scale float32
+// [N], bias 0 or [N].
+PyObject* py_w8a8_linear(PyObject*, PyObject* args) {
+  long long xp, ldx, wp, Kp, K, sp, bp, yp, ldy, M, N;
+  if (!PyArg_ParseTuple(args, "LLLLLLLLLLL", &xp, &ldx, &wp, &Kp, &K, &sp, &bp, &yp, &ldy, &M, &N)) return nullptr;
+  if (M < 0 || N < 0 || K < 0 || Kp % kQBlock != 0 || Kp < K || (M > 1 && ldx < K) || (M > 1 && ldy < N) ||
+      sp == 0 || (M > 0 && N > 0 && (xp == 0 || wp == 0 || yp == 0))) {
+    PyErr_SetString(PyExc_ValueError, "w8a8_linear: invalid arguments");
+    return nullptr;
+  }
+  if (M == 0 || N == 0) Py_RETURN_NONE;
+  W8Args a;
+  a.w = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(wp));
+  a.Kp = Kp;
+  a.nblocks = Kp / kQBlock;
+  a.N = N;
+  a.scale = reinterpret_cast<const float*>(static_cast<uintptr_t>(sp));
+  a.bias = reinterpret_cast<const float*>(static_cast<uintptr_t>(bp));
+  a.y = reinterpret_cast<float*>(static_cast<uintptr_t>(yp));
+  a.ldy = ldy;
+  const char* err = with_quantized_x(reinterpret_cast<const float*>(static_cast<uintptr_t>(xp)), ldx, K, Kp, M,
+                                     [&](const QAct& q) { a.x = q; w8a8_run(a, M); });
   if (err) {
-    PyErr_SetString(PyExc_RuntimeError, err);
+    PyErr_SetString(PyExc_RuntimeError, "w8a8_linear: kernel failed");
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+// =============================================================================================
+// W4A8: 4-bit weights (one fp16 scale per 32 weights of a channel) x int8 activations, exact integer
+// dot products. A draft model only has to be cheap; with half the bytes of int8 its step costs less.
+//
+// Weight w[n, k] = s[n, b] * (u[n, k] - 8) with u in 0..15 and b = k / 32. Per (row, channel) and block b
+// the kernel takes the exact integer t_b = sum_{k in b} (u[n, k] - 8) * q[m, k], then
+//   acc = fma(float(t_b), d_b * s[n, b], acc)   for b = 0, 1, ... in order;   y[m, n] = acc + bias[n],
+// where d_b * s[n, b] is one float product. As for w8a8 every path (AVX-512 VNNI, AVX2, scalar) does
+// exactly this, so they agree bit for bit and a row never depends on the other rows.
+//
+// Layout: channels in groups of 16 as for w8a8; group g, block b, quarter j (8 k values) is 64 bytes in
+// which lane l (channel 16g + l) holds 4 bytes, byte i = u[k0 + i] | u[k0 + 4 + i] << 4 with
+// k0 = 32b + 8j. The low nibbles then line up with activation bytes k0..k0+3 and the high ones with
+// k0+4..k0+7. Scales are fp16 [groups, blocks, 16]. The integer accumulator starts at -8 * sum(q), which
+// turns the unsigned nibbles into the signed weights.
+// =============================================================================================
+struct W4Args {
+  QAct x;
+  const uint8_t* w;     // [groups, Kp * 8]
+  const uint16_t* s;    // fp16 [groups, nblocks * 16]
+  int64_t Kp;
+  int64_t nblocks;
+  int64_t N;
+  const float* bias;
+  float* y;
+  int64_t ldy;
+  const uint8_t* group(int64_t g) const { return w + g * Kp * (kGroup / 2); }
+  const uint16_t* scales(int64_t g) const { return s + g * nblocks * kGroup; }
+};
+
+static inline float half_to_float(uint16_t h) {  // exact, including subnormals
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, u;
+  if (exp == 0x1Fu) {
+    u = sign | 0x7F800000u | (man << 13);
+  } else if (exp != 0) {
+    u = sign | ((exp + 112u) << 23) | (man << 13);
+  } else if (man == 0) {
+    u = sign;
+  } else {
+    int e = -1;
+    do { ++e; man <<= 1; } while (!(man & 0x400u));
+    u = sign | ((112u - e) << 23) | ((man & 0x3FFu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+static inline void w4a8_store(const W4Args& a, int64_t m, int64_t n0, const float* v, int lanes) {
+  for (int l = 0; l < lanes && n0 + l < a.N; ++l) {
+    float r = v[l];
+    if (a.bias) r = r + a.bias[n0 + l];
+    a.y[m * a.ldy + n0 + l] = r;
+  }
+}
+
+#if SPECDECODE_VNNI
+template <int R, int C>
+static inline void w4a8_tile(const W4Args& a, int64_t m0, int64_t g0) {
+  __m512 acc[R][C];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < a.nblocks; ++b) {
+    __m512i t[R][C];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512i nc = _mm512_set1_epi32(a.x.ncorr[(m0 + r) * a.x.ldb + b] / 16);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) t[r][c] = nc;
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      __m512i lo[C], hi[C];
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        const __m512i v = _mm512_loadu_si512(a.group(g0 + c) + (b * 4 + j) * 64);
+        lo[c] = _mm512_and_si512(v, low);
+        hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int8_t* q = a.x.q + (m0 + r) * a.x.ldq + b * kQBlock + 8 * j;
+        const __m512i q0 = _mm512_set1_epi32(load4(q)), q1 = _mm512_set1_epi32(load4(q + 4));
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) t[r][c] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(t[r][c], lo[c], q0), hi[c], q1);
+      }
+    }
+    __m512 sc[C];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+      sc[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.scales(g0 + c) + b * kGroup)));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 d = _mm512_set1_ps(a.x.d[(m0 + r) * a.x.ldb + b]);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c)
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[r][c]), _mm512_mul_ps(d, sc[c]), acc[r][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) {
+    alignas(64) float out[16];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      _mm512_store_ps(out, acc[r][c]);
+      w4a8_store(a, m0 + r, (g0 + c) * kGroup, out, 16);
+    }
+  }
+}
+constexpr int w4a8_width(int R) { return R <= 2 ? 4 : 2; }
+
+#elif SPECDECODE_AVX2
+// R rows x one group of 16 channels, as H halves of 8 channels. Products of a nibble (<= 15) and an
+// activation byte (|q| <= 127) summed in pairs are at most 3810 in magnitude, so a block's 8 pair sums
+// per lane fit int16 exactly (<= 30480) and are widened once per block.
+template <int R, int H>
+static inline void w4a8_group(const W4Args& a, int64_t m0, int64_t g, int h0) {
+  __m256 acc[R][H];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_ps();
+  const uint8_t* wg = a.group(g) + 32 * h0;
+  const uint16_t* sg = a.scales(g) + 8 * h0;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < a.nblocks; ++b) {
+    __m256i t[R][H];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+      for (int h = 0; h < H; ++h) t[r][h] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      __m256i lo[H], hi[H];
+#pragma GCC unroll 2
+      for (int h = 0; h < H; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + (b * 4 + j) * 64 + 32 * h));
+        lo[h] = _mm256_and_si256(v, low);
+        hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int8_t* q = a.x.q + (m0 + r) * a.x.ldq + b * kQBlock + 8 * j;
+        const __m256i q0 = _mm256_set1_epi32(load4(q)), q1 = _mm256_set1_epi32(load4(q + 4));
+#pragma GCC unroll 2
+        for (int h = 0; h < H; ++h)
+          t[r][h] = _mm256_add_epi16(t[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], q0),
+                                                               _mm256_maddubs_epi16(hi[h], q1)));
+      }
+    }
+    __m256 sc[H];
+#pragma GCC unroll 2
+    for (int h = 0; h < H; ++h) {
+#if defined(__F16C__)
+      sc[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + b * kGroup + 8 * h)));
+#else
+      alignas(32) float f[8];
+      for (int l = 0; l < 8; ++l) f[l] = half_to_float(sg[b * kGroup + 8 * h + l]);
+      sc[h] = _mm256_load_ps(f);
+#endif
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256i nc = _mm256_set1_epi32(a.x.ncorr[(m0 + r) * a.x.ldb + b] / 16);
+      const __m256 d = _mm256_set1_ps(a.x.d[(m0 + r) * a.x.ldb + b]);
+#pragma GCC unroll 2
+      for (int h = 0; h < H; ++h) {
+        const __m256i t32 = _mm256_add_epi32(_mm256_madd_epi16(t[r][h], ones), nc);
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t32), _mm256_mul_ps(d, sc[h]), acc[r][h]);
+      }
+    }
+  }
+#pragma GCC unroll 2
+  for (int h = 0; h < H; ++h) {
+    alignas(32) float out[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      _mm256_store_ps(out, acc[r][h]);
+      w4a8_store(a, m0 + r, g * kGroup + 8 * (h0 + h), out, 8);
+    }
+  }
+}
+template <int R, int C>
+static inline void w4a8_tile(const W4Args& a, int64_t m0, int64_t g0) {
+  for (int c = 0; c < C; ++c) {
+    if (R <= 3) {
+      w4a8_group<R, 2>(a, m0, g0 + c, 0);
+    } else {
+      w4a8_group<R, 1>(a, m0, g0 + c, 0);
+      w4a8_group<R, 1>(a, m0, g0 + c, 1);
+    }
+  }
+}
+constexpr int w4a8_width(int) { return 1; }
+
+#else  // portable scalar path, same arithmetic
+template <int R, int C>
+static inline void w4a8_tile(const W4Args& a, int64_t m0, int64_t g0) {
+  for (int r = 0; r < R; ++r) {
+    const int64_t m = m0 + r;
+    const int8_t* q = a.x.q + m * a.x.ldq;
+    const float* dl = a.x.d + m * a.x.ldb;
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* wg = a.group(g0 + c);
+      const uint16_t* sg = a.scales(g0 + c);
+      float out[kGroup];
+      for (int l = 0; l < kGroup; ++l) {
+        float acc = 0.0f;
+        for (int64_t b = 0; b < a.nblocks; ++b) {
+          int32_t t = 0;
+          for (int64_t k = b * kQBlock; k < (b + 1) * kQBlock; ++k) {
+            const int64_t j = (k % kQBlock) / 8, i = k % 8;
+            const uint8_t byte = wg[(b * 4 + j) * 64 + 4 * l + i % 4];
+            t += (int32_t(i < 4 ? byte & 0x0F : byte >> 4) - 8) * int32_t(q[k]);
+          }
+          acc = std::fma(static_cast<float>(t), dl[b] * half_to_float(sg[b * kGroup + l]), acc);
+        }
+        out[l] = acc;
+      }
+      w4a8_store(a, m, (g0 + c) * kGroup, out, kGroup);
+    }
+  }
+}
+constexpr int w4a8_width(int) { return 1; }
+#endif
+
+template <int R>
+static void w4a8_rows(const W4Args& a, int64_t m0, int64_t g0, int64_t g1) {
+  constexpr int C = w4a8_width(R);
+  int64_t g = g0;
+  for (; g + C <= g1; g += C) w4a8_tile<R, C>(a, m0, g);
+  for (; g < g1; ++g) w4a8_tile<R, 1>(a, m0, g);
+}
+
+static void w4a8_run(const W4Args& a, int64_t M) {
+  const int64_t groups = (a.N + kGroup - 1) / kGroup;
+  schedule(M, groups, a.Kp * kGroup / 2 + a.nblocks * kGroup * 2, a.Kp * kGroup, int64_t(1) << 17,
+           [&](int R, int64_t m, int64_t g0, int64_t g1) {
+    switch (R) {
+      case 1: w4a8_rows<1>(a, m, g0, g1); break;
+      case 2: w4a8_rows<2>(a, m, g0, g1); break;
+      case 3: w4a8_rows<3>(a, m, g0, g1); break;
+      case 4: w4a8_rows<4>(a, m, g0, g1); break;
+      case 5: w4a8_rows<5>(a, m, g0, g1); break;
+      default: w4a8_rows<6>(a, m, g0, g1); break;
+    }
+  }, kGroupUnit);
+}
+
+// w4a8_linear(x_ptr, ldx, w_ptr, s_ptr, Kp, K, bias_ptr, y_ptr, ldy, M, N): x float32 [M, ldx], w uint8
+// [ceil(N / 16), Kp * 8] and s fp16 [ceil(N / 16), Kp / 32 * 16] as described above, bias 0 or [N].
+PyObject* py_w4a8_linear(PyObject*, PyObject* args) {
+  long long xp, ldx, wp, sp, Kp, K, bp, yp, ldy, M, N;
+  if (!PyArg_ParseTuple(args, "LLLLLLLLLLL", &xp, &ldx, &wp, &sp, &Kp, &K, &bp, &yp, &ldy, &M, &N)) return nullptr;
+  if (M < 0 || N < 0 || K < 0 || Kp % kQBlock != 0 || Kp < K || (M > 1 && ldx < K) || (M > 1 && ldy < N) ||
+      (M > 0 && N > 0 && (xp == 0 || wp == 0 || sp == 0 || yp == 0))) {
+    PyErr_SetString(PyExc_ValueError, "w4a8_linear: invalid arguments");
+    return nullptr;
+  }
+  if (M == 0 || N == 0) Py_RETURN_NONE;
+  W4Args a;
+  a.w = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(wp));
+  a.s = reinterpret_cast<const uint16_t*>(static_cast<uintptr_t>(sp));
+  a.Kp = Kp;
+  a.nblocks = Kp / kQBlock;
+  a.N = N;
+  a.bias = reinterpret_cast<const float*>(static_cast<uintptr_t>(bp));
+  a.y = reinterpret_cast<float*>(static_cast<uintptr_t>(yp));
+  a.ldy = ldy;
+  const char* err = with_quantized_x(reinterpret_cast<const float*>(static_cast<uintptr_t>(xp)), ldx, K, Kp, M,
+                                     [&](const QAct& q) { a.x = q; w4a8_run(a, M); });
+  if (err) {
+    PyErr_SetString(PyExc_RuntimeError, "w4a8_linear: kernel failed");
     return nullptr;
   }
   Py_RETURN_NONE;
@@ -724,6 +1013,7 @@ PyObject* py_has_avx2(PyObject*, PyObject*) { return PyBool_FromLong(SPECDECODE_
 PyMethodDef kMethods[] = {
     {"rowinv_linear", py_rowinv_linear, METH_VARARGS, "Row-invariant linear on raw CPU pointers"},
     {"w8a8_linear", py_w8a8_linear, METH_VARARGS, "Row-invariant W8A8 linear on raw CPU pointers"},
+    {"w4a8_linear", py_w4a8_linear, METH_VARARGS, "Row-invariant W4A8 linear on raw CPU pointers"},
     {"has_avx2", py_has_avx2, METH_NOARGS, "True if compiled with AVX2/FMA intrinsics"},
     {"isa", py_isa, METH_NOARGS, "Instruction set of the W8A8 path"},
     {nullptr, nullptr, 0, nullptr}};

@@ -22,6 +22,9 @@ Weight formats (``pack_linear``):
     multiplied by activations that the kernel quantizes per row in blocks of 32 (``quantize_activations``),
     with exact integer dot products (AVX-512 VNNI or AVX2). Integer sums have no order, so row
     invariance is free, and a pass over several rows costs little more than over one.
+  * ``w4a8``: 4-bit weights, one fp16 scale per 32 weights of a channel (``w = s * q``, q in -8..7; the scale
+    is the best of a few candidates per block), with the same quantized activations and integer dot products.
+    Half the bytes of w8a8: meant for draft models, whose quality only sets the acceptance rate.
 For fp32/bf16/int8, activations and accumulation are fp32.
 
 Non-CPU inputs (e.g. CUDA) use ``F.linear`` on a dequantized weight cached on that device; bitwise row
@@ -41,10 +44,11 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-FORMATS = ("fp32", "bf16", "int8", "w8a8")
-_FMT_CODE = {"fp32": 0, "bf16": 1, "int8": 2, "w8a8": 3}
-_WEIGHT_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "w8a8": torch.uint8}
-_K_ALIGN = {"fp32": 8, "bf16": 8, "int8": 8, "w8a8": 32}
+FORMATS = ("fp32", "bf16", "int8", "w8a8", "w4a8")
+_FMT_CODE = {"fp32": 0, "bf16": 1, "int8": 2, "w8a8": 3, "w4a8": 4}
+_WEIGHT_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "w8a8": torch.uint8,
+                 "w4a8": torch.uint8}
+_K_ALIGN = {"fp32": 8, "bf16": 8, "int8": 8, "w8a8": 32, "w4a8": 32}
 W8A8_GROUP = 16  # channels per interleaved w8a8 weight group
 ACT_BLOCK = 32  # w8a8 activation quantization block (along K)
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_linear.cpp")
@@ -69,7 +73,8 @@ class PackedLinear:
 
     ``weight`` is ``[N, Kp]`` (Kp = K rounded up to a multiple of 8, zero padded) of dtype float32,
     bfloat16 or int8 depending on ``fmt``; for w8a8 it is uint8 ``[ceil(N / 16), Kp * 16]`` in the
-    interleaved layout (``_interleave``). ``scale`` is float32 ``[N]`` for int8 and w8a8, else None.
+    interleaved layout (``_interleave``), for w4a8 uint8 ``[ceil(N / 16), Kp * 8]`` (``_pack_w4``). ``scale`` is
+    float32 ``[N]`` for int8 and w8a8, float16 ``[ceil(N / 16), Kp / 32 * 16]`` for w4a8, else None.
     A plain object (not an nn.Module) so that it never shows up in a model's state_dict.
     """
 
@@ -101,6 +106,17 @@ class PackedLinear:
                     or w.shape[1] != Kp * W8A8_GROUP):
                 raise ValueError(f"w8a8_linear: malformed interleaved weight {tuple(w.shape)} {w.dtype} for {self!r}")
             stride = Kp
+        elif self.fmt == "w4a8":
+            G = -(-N // W8A8_GROUP)
+            Kp = w.shape[1] // (W8A8_GROUP // 2) if w.ndim == 2 else 0
+            if (w.dtype != torch.uint8 or w.ndim != 2 or not w.is_contiguous() or not w.is_cpu or w.shape[0] != G
+                    or Kp < K or Kp % ACT_BLOCK or w.shape[1] != Kp * W8A8_GROUP // 2 or scale is None
+                    or scale.dtype != torch.float16 or not scale.is_contiguous() or not scale.is_cpu
+                    or tuple(scale.shape) != (G, Kp // ACT_BLOCK * W8A8_GROUP)):
+                raise ValueError(f"w4a8_linear: malformed packed weight {tuple(w.shape)} {w.dtype} for {self!r}")
+            args = (w.data_ptr(), Kp, _FMT_CODE["w4a8"], scale)
+            self._checked = (key, args)
+            return args
         elif (w.dtype != _WEIGHT_DTYPE[self.fmt] or w.ndim != 2 or w.shape[0] != N or w.stride(1) != 1
                 or w.shape[1] < _round_up(K, _K_ALIGN[self.fmt]) or (N > 1 and w.stride(0) < w.shape[1]) or not w.is_cpu):
             raise ValueError(f"rowinv_linear: malformed packed weight {tuple(w.shape)} {w.dtype} for {self!r}")
@@ -123,6 +139,9 @@ class PackedLinear:
 
     def select_rows(self, rows: torch.Tensor) -> "PackedLinear":
         """The same format restricted to output channels ``rows`` (copied)."""
+        if self.fmt == "w4a8":
+            q, sc = _w4_unpack(self)
+            return _w4_pack(q[rows], sc[rows], self.in_features)
         scale = self.scale[rows].contiguous() if self.scale is not None else None
         if self.fmt == "w8a8":
             return PackedLinear(self.fmt, _interleave(_w8a8_rows(self, 0, self.out_features)[rows]), scale,
@@ -171,6 +190,9 @@ def pack_linear(weight: torch.Tensor, fmt: str) -> PackedLinear:
         out[:, :K] = w  # round-to-nearest-even
         return PackedLinear(fmt, out, None, K)
 
+    if fmt == "w4a8":
+        return _quantize_w4(w)
+
     # int8: symmetric, per output channel; processed in row chunks to bound temporary memory.
     q = torch.zeros(N, Kp, dtype=torch.int8, device=w.device)
     scale = torch.empty(N, dtype=torch.float32, device=w.device)
@@ -205,6 +227,70 @@ def _w8a8_rows(packed: PackedLinear, n0: int, n1: int) -> torch.Tensor:
     return rows[n0 - g0 * W8A8_GROUP:n1 - g0 * W8A8_GROUP]
 
 
+# Candidate scales per block of 32: the block's largest-magnitude value v maps to -c (c below), so q = -8
+# is used; the candidate with the least squared error wins. Smaller c clip less often, larger c round finer.
+_W4_DIVISORS = (8.0, 7.75, 7.5, 7.25, 7.0, 6.75, 6.5, 6.0)
+
+
+def _quantize_w4(w: torch.Tensor) -> PackedLinear:
+    N, K = w.shape
+    Kp = _round_up(K, ACT_BLOCK)
+    nb = Kp // ACT_BLOCK
+    q = torch.zeros(N, Kp, dtype=torch.int8, device=w.device)
+    sc = torch.zeros(N, nb, dtype=torch.float16, device=w.device)
+    step = max(1, (1 << 20) // Kp)
+    for n0 in range(0, N, step):
+        blk = F.pad(w[n0:n0 + step].float(), (0, Kp - K)).view(-1, nb, ACT_BLOCK)
+        v = blk.gather(2, blk.abs().argmax(dim=2, keepdim=True))  # signed extreme of each block
+        best_err = best_q = best_s = None
+        for c in _W4_DIVISORS:
+            s = (-v / c).half().float()  # the kernel multiplies by the fp16 scale: quantize against it
+            inv = torch.where(s != 0, 1.0 / s, torch.zeros_like(s))
+            qq = torch.round(blk * inv).clamp_(-8, 7)
+            err = (qq * s - blk).pow_(2).sum(dim=2, keepdim=True)
+            if best_err is None:
+                best_err, best_q, best_s = err, qq, s
+            else:
+                better = err < best_err
+                best_err = torch.where(better, err, best_err)
+                best_q = torch.where(better, qq, best_q)
+                best_s = torch.where(better, s, best_s)
+        q[n0:n0 + step] = best_q.view(-1, Kp).to(torch.int8)
+        sc[n0:n0 + step] = best_s.view(-1, nb).half()
+    return _w4_pack(q, sc, K)
+
+
+def _w4_pack(q: torch.Tensor, sc: torch.Tensor, K: int) -> PackedLinear:
+    """int8 ``q [N, Kp]`` (-8..7) and fp16 ``sc [N, Kp / 32]`` -> the kernel's w4a8 layout: per group of 16
+    channels and quarter of 8 K values, 64 bytes; lane l's byte i holds q+8 of k0+i (low nibble) and of k0+4+i
+    (high nibble). Padding channels are 0 with scale 0."""
+    N, Kp = q.shape
+    G, nb = -(-N // W8A8_GROUP), Kp // ACT_BLOCK
+    u = torch.full((G * W8A8_GROUP, Kp), 8, dtype=torch.uint8, device=q.device)
+    u[:N] = (q.to(torch.int16) + 8).to(torch.uint8)
+    u = u.view(G, W8A8_GROUP, nb, 4, 2, 4)                   # [g, lane, block, quarter, nibble, byte]
+    byte = u[:, :, :, :, 0] | (u[:, :, :, :, 1] << 4)        # [g, lane, block, quarter, byte]
+    weight = byte.permute(0, 2, 3, 1, 4).contiguous().view(G, Kp * W8A8_GROUP // 2)
+    s = torch.zeros(G * W8A8_GROUP, nb, dtype=torch.float16, device=q.device)
+    s[:N] = sc
+    scale = s.view(G, W8A8_GROUP, nb).permute(0, 2, 1).contiguous().view(G, nb * W8A8_GROUP)
+    return PackedLinear("w4a8", weight, scale, K, N)
+
+
+def _w4_unpack(packed: PackedLinear, n0: int = 0, n1: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logical ``q [n1 - n0, Kp]`` (int8, -8..7) and fp16 scales ``[n1 - n0, Kp / 32]`` of a w4a8 weight."""
+    n1 = packed.out_features if n1 is None else min(n1, packed.out_features)
+    g0, g1 = n0 // W8A8_GROUP, -(-n1 // W8A8_GROUP)
+    Kp = packed.weight.shape[1] * 2 // W8A8_GROUP
+    nb = Kp // ACT_BLOCK
+    byte = packed.weight[g0:g1].view(g1 - g0, nb, 4, W8A8_GROUP, 4).permute(0, 3, 1, 2, 4)
+    u = torch.stack([byte & 0x0F, byte >> 4], dim=4)         # [g, lane, block, quarter, nibble, byte]
+    q = (u.reshape((g1 - g0) * W8A8_GROUP, Kp).to(torch.int8) - 8)
+    s = packed.scale[g0:g1].view(g1 - g0, nb, W8A8_GROUP).permute(0, 2, 1).reshape((g1 - g0) * W8A8_GROUP, nb)
+    lo = n0 - g0 * W8A8_GROUP
+    return q[lo:lo + n1 - n0], s[lo:lo + n1 - n0]
+
+
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     """What the w8a8 kernel multiplies with: each row of ``x [M, K]`` quantized in blocks of
     ``ACT_BLOCK`` along K (``d = absmax / 127``, ``q = round(x * (1 / d))``), returned dequantized
@@ -225,6 +311,10 @@ def dequantize(packed: PackedLinear) -> torch.Tensor:
 
 def _dequantize_rows(packed: PackedLinear, n0: int, n1: int) -> torch.Tensor:
     """float32 weight rows [n0, n1) (a view for fp32, a new tensor otherwise)."""
+    if packed.fmt == "w4a8":
+        q, sc = _w4_unpack(packed, n0, n1)
+        w = (q.float().view(q.shape[0], -1, ACT_BLOCK) * sc.float()[:, :, None]).view(q.shape[0], -1)
+        return w[:, :packed.in_features]
     if packed.fmt == "w8a8":
         n1 = min(n1, packed.out_features)
         w = _w8a8_rows(packed, n0, n1)[:, :packed.in_features].to(torch.int16) - 128
@@ -362,7 +452,7 @@ def _fallback(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None) 
     """Pure torch, row by row: every output row comes from its own M=1 call, so it is row-invariant
     (independence from the thread count is up to the BLAS library here)."""
     M = x.shape[0]
-    if packed.fmt == "w8a8":
+    if packed.fmt in ("w8a8", "w4a8"):
         x = quantize_activations(x)
     out = torch.empty(M, packed.out_features, dtype=torch.float32, device=x.device)
     for n0, w in _weight_chunks(packed, x.device):
@@ -384,7 +474,7 @@ def rowinv_linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | No
         # Accelerators: plain BLAS on a cached dequantized copy. Row invariance is NOT guaranteed.
         w = _dense_on(packed, x.device)
         b = bias.to(device=x.device, dtype=torch.float32) if bias is not None else None
-        return F.linear(quantize_activations(x) if packed.fmt == "w8a8" else x, w, b)
+        return F.linear(quantize_activations(x) if packed.fmt in ("w8a8", "w4a8") else x, w, b)
     if not x.is_contiguous():
         x = x.contiguous()
     if _disabled() or not packed.weight.is_cpu:
@@ -403,6 +493,10 @@ def rowinv_linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | No
             raise ValueError(f"rowinv_linear: bias has {bias.numel()} elements, expected {N}")
     M, K = x.shape
     y = torch.empty(M, N, dtype=torch.float32)
+    if code == _FMT_CODE["w4a8"]:
+        ext.w4a8_linear(x.data_ptr(), K, wptr, scale.data_ptr(), ldw, K, bias.data_ptr() if bias is not None else 0,
+                        y.data_ptr(), N, M, N)
+        return y
     if code == _FMT_CODE["w8a8"]:
         ext.w8a8_linear(x.data_ptr(), K, wptr, ldw, K, scale.data_ptr(), bias.data_ptr() if bias is not None else 0,
                         y.data_ptr(), N, M, N)

@@ -605,7 +605,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--max-num-seqs", type=int, default=None, metavar="N", help="Running batch size (cache slots).")
     e.add_argument("--max-model-len", type=int, default=None, metavar="N", help="Context length (prompt + output).")
     e.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
-    e.add_argument("--quantization", default=None, choices=["int8", "w8a8", "none"])
+    e.add_argument("--quantization", default=None, choices=["int8", "w8a8", "w4a8", "none"])
     e.add_argument("--seed", type=int, default=None, metavar="N")
     e.add_argument("--max-waiting-requests", type=int, default=None, metavar="N",
                    help="Waiting-queue limit; requests beyond it get HTTP 503.")
@@ -617,6 +617,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (vLLM form).')
     s.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
                    help="Turn speculation off while the running batch has at least this many sequences.")
+    s.add_argument("--speculative-model-quantization", default=None, choices=["int8", "w8a8", "w4a8", "none"],
+                   help="The draft model's weight format (default: the same as --quantization).")
     s.add_argument("--ngram-prompt-lookup-max", type=int, default=None, metavar="N")
     s.add_argument("--ngram-prompt-lookup-min", type=int, default=None, metavar="N")
 
@@ -626,6 +628,7 @@ def engine_kwargs_from_args(args: argparse.Namespace, model: str | None) -> dict
     kw: dict[str, Any] = {"model": model}
     for name in ("max_num_seqs", "max_model_len", "dtype", "quantization", "seed", "max_waiting_requests",
                  "speculative_model", "num_speculative_tokens", "speculative_disable_by_batch_size",
+                 "speculative_model_quantization",
                  "ngram_prompt_lookup_max", "ngram_prompt_lookup_min"):
         v = getattr(args, name, None)
         if v is not None:
