@@ -43,6 +43,9 @@ class SpeculativeConfig:
     # A draft's precision only moves the acceptance rate, never the output, so "w4a8" (half the bytes of
     # w8a8) is usually the cheapest draft on a CPU.
     quantization: str | None = None
+    # Draft model only: prompt lookup first (prompt_lookup_max down to prompt_lookup_min); the draft model
+    # runs only for requests whose context ends in no n-gram seen before.
+    ngram_first: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -71,6 +74,12 @@ class SpeculativeConfig:
                 raise _err("draft_vocab_size only applies to a draft model (n-gram drafts need no LM head).")
             if not isinstance(v, int) or isinstance(v, bool) or v < 256:
                 raise _err(f"draft_vocab_size must be an integer >= 256 (e.g. 32768), got {v!r}.")
+        if self.ngram_first and self.method != "draft_model":
+            raise _err("ngram_first combines prompt lookup with a draft model; with method 'ngram' there is none.")
+        if self.method == "draft_model" and self.ngram_first:
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+                raise _err(f"ngram_first needs 1 <= prompt_lookup_min <= prompt_lookup_max, got min={lo!r}, max={hi!r}.")
         if self.quantization is not None:
             if self.method != "draft_model":
                 raise _err("speculative quantization only applies to a draft model (n-gram drafting has none).")
@@ -163,7 +172,7 @@ class EngineConfig:
                                          "ngram_prompt_lookup_max", "ngram_prompt_lookup_min",
                                          "speculative_disable_by_batch_size", "speculative_draft_p_min",
                                          "speculative_adaptive", "speculative_draft_vocab_size",
-                                         "speculative_model_quantization") if k in kw}
+                                         "speculative_model_quantization", "speculative_ngram_first") if k in kw}
         if sc is not None and legacy:
             raise _err("Pass either speculative_config={...} or the legacy speculative_* keywords, not both.")
         if isinstance(sc, SpeculativeConfig):
@@ -183,7 +192,8 @@ class EngineConfig:
                                  ("speculative_draft_p_min", "draft_p_min"),
                                  ("speculative_adaptive", "adaptive"),
                                  ("speculative_draft_vocab_size", "draft_vocab_size"),
-                                 ("speculative_model_quantization", "quantization")):
+                                 ("speculative_model_quantization", "quantization"),
+                                 ("speculative_ngram_first", "ngram_first")):
                     if legacy.get(src) is not None:
                         spec_dict[dst] = legacy[src]
                 if spec_dict.get("model") is None:

@@ -270,3 +270,27 @@ def test_draft_in_its_own_quantization_keeps_greedy_exact(plain, llm_cache, tiny
     outs = _generate(llm, PROMPTS, max_tokens=MAX_TOKENS, **GREEDY)
     assert [list(o.outputs[0].token_ids) for o in outs] == plain(fam)[0]
     assert sum(o.metrics.spec_decode.num_accepted_tokens for o in outs) > 0
+
+
+@pytest.mark.parametrize("fam", ["llama", "qwen2"])
+def test_ngram_first_keeps_greedy_exact(fam, plain, llm_cache, tiny_models, noisy_drafts):
+    """Prompt lookup where the context repeats, the (noisy) draft model elsewhere: plain greedy's ids, and
+    both sources of drafts are used."""
+    llm = llm_cache.get(tiny_models[fam], speculative_model=noisy_drafts[fam], num_speculative_tokens=4,
+                        speculative_ngram_first=True, ngram_prompt_lookup_min=2)
+    import specdecode.spec.draft_model as dm
+
+    looked = []
+
+    def counting_lookup(*args):
+        found = real_lookup(*args)
+        looked.append(len(found) > 0)
+        return found
+    real_lookup, dm.ngram_lookup = dm.ngram_lookup, counting_lookup
+    try:
+        outs = _generate(llm, PROMPTS, max_tokens=MAX_TOKENS, **GREEDY)
+    finally:
+        dm.ngram_lookup = real_lookup
+    proposer = llm.engine.proposer
+    assert [list(o.outputs[0].token_ids) for o in outs] == plain(fam)[0]
+    assert sum(looked) > 0 and proposer.runner.num_passes > 0

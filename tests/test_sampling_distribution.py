@@ -196,25 +196,26 @@ N_E2E = 2000      # samples per setting for the correct sampler
 N_BROKEN = 300    # the broken sampler is far off (p < 1e-4 already at 200 samples in both settings)
 
 
-def _target_marginals(model_dir, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+def _target_marginals(model_dir, params: SamplingParams, prompt: list[int] = PROMPT) -> tuple[np.ndarray, np.ndarray]:
     """p(x1) and sum_x1 p(x1) p(x2 | x1), from our own target's logits with the same sampling transform."""
     from specdecode.engine.model_runner import ModelRunner
     from specdecode.models.loader import load_model
 
     runner = ModelRunner(load_model(model_dir, "float32", "cpu", 64, None), 1, 64, "cpu")
-    p1 = logits_to_probs(runner.prefill(0, PROMPT)[None], [params])[0].double()
+    p1 = logits_to_probs(runner.prefill(0, prompt)[None], [params])[0].double()
     marg = torch.zeros_like(p1)
-    L = len(PROMPT)
+    L = len(prompt)
     for x1 in torch.nonzero(p1 > 1e-9).flatten().tolist():  # the rest carries < 512e-9 of the mass
         logits = runner.forward_rows([(0, L, [x1])], all_logits=True)[0]
         marg += p1[x1] * logits_to_probs(logits, [params])[0].double()
     return p1.numpy(), marg.numpy()
 
 
-def _sample(llm, params: SamplingParams, n: int, seed0: int) -> tuple[np.ndarray, np.ndarray]:
+def _sample(llm, params: SamplingParams, n: int, seed0: int,
+            prompt: list[int] = PROMPT) -> tuple[np.ndarray, np.ndarray]:
     """Counts of the 1st and the 2nd generated token over n independent requests (one seed each)."""
     sps = [params.clone(seed=seed0 + i, max_tokens=K_E2E + 2, ignore_eos=True) for i in range(n)]
-    outs = llm.generate(prompt_token_ids=[PROMPT] * n, sampling_params=sps, use_tqdm=False)
+    outs = llm.generate(prompt_token_ids=[prompt] * n, sampling_params=sps, use_tqdm=False)
     V_ = llm.engine.target.vocab_size
     first = np.bincount([o.outputs[0].token_ids[0] for o in outs], minlength=V_)
     second = np.bincount([o.outputs[0].token_ids[1] for o in outs], minlength=V_)
@@ -273,3 +274,35 @@ def test_end_to_end_with_truncated_draft_vocab(e2e_llm_truncated, sharp_target):
     assert stats.num_draft_tokens - drafted0 >= N_E2E
     pval = chi2_pvalue(second, marg)
     assert pval > ALPHA, f"2nd token with a truncated draft head does not follow the target (p={pval:.2e})"
+
+
+@pytest.fixture(scope="module")
+def e2e_llm_hybrid(one_thread, llm_cache, sharp_target, sharp_draft):
+    return llm_cache.get(sharp_target, speculative_model=sharp_draft, num_speculative_tokens=K_E2E,
+                         max_model_len=64, max_num_seqs=16, speculative_ngram_first=True,
+                         ngram_prompt_lookup_min=1)
+
+
+def test_end_to_end_with_ngram_first(e2e_llm_hybrid, sharp_target, monkeypatch):
+    """Prompt lookup first, the draft model elsewhere: after a 1st token that occurs in the prompt the 2nd step
+    drafts a one-hot n-gram token, otherwise a draft-model token with its probabilities, and batches mix
+    both kinds. The 2nd token must still follow the target's marginal."""
+    params = SamplingParams(**SETTINGS["t1.0-top_p0.9"])
+    # PROMPT plus the sharp target's own greedy continuation: here the target repeats itself often enough.
+    prompt = PROMPT + [322, 184, 340, 353, 188, 197, 243, 188, 219]
+    p1, marg = _target_marginals(sharp_target, params, prompt)
+    in_prompt = np.zeros(len(p1), dtype=bool)
+    in_prompt[prompt] = True
+    # Both kinds of draft must be common for the test to say anything about their mix.
+    assert 0.1 < p1[in_prompt].sum() < 0.9, p1[in_prompt].sum()
+    import specdecode.spec.draft_model as dm
+
+    found = []
+    real_lookup = dm.ngram_lookup
+    monkeypatch.setattr(dm, "ngram_lookup", lambda *a: found.append(bool(real_lookup(*a))) or real_lookup(*a))
+    drafted0 = e2e_llm_hybrid.spec_decode_metrics.num_draft_tokens
+    first, second = _sample(e2e_llm_hybrid, params, N_E2E, seed0=7 * 10**5, prompt=prompt)
+    assert e2e_llm_hybrid.spec_decode_metrics.num_draft_tokens - drafted0 >= N_E2E
+    assert 0.1 < np.mean(found) < 0.9  # n-gram and draft-model drafts, mixed in the batches
+    pval = chi2_pvalue(second, marg)
+    assert pval > ALPHA, f"2nd token with n-gram-first drafts does not follow the target (p={pval:.2e})"

@@ -23,6 +23,7 @@ models other configs loaded) and the bytes of weights and KV cache of the models
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import platform
@@ -36,7 +37,7 @@ from specdecode.spec.metrics import SpecDecodeStats
 
 logger = logging.getLogger("specdecode")
 
-METHODS = ("ngram", "draft")
+METHODS = ("ngram", "draft", "hybrid")  # hybrid: n-gram lookup first, the draft model where nothing matches
 
 MEMORY_NOTE = ("peak_rss_mb: process RSS (psutil) sampled after every engine step while the config ran; all "
                "configs share one process and one loaded target, so it includes every loaded model. "
@@ -299,7 +300,7 @@ class BenchRunner:
         from specdecode.spec.ngram import NgramProposer
 
         s = self.s
-        need_draft = "draft" in s.methods
+        need_draft = "draft" in s.methods or "hybrid" in s.methods
         kw = dict(model=s.model, max_num_seqs=1, dtype=s.dtype, quantization=s.quantization, seed=s.seed,
                   num_threads=s.num_threads, max_model_len=s.max_model_len)
         kmax = max(s.ks) if s.ks else 1
@@ -317,9 +318,12 @@ class BenchRunner:
         self._model_mb = {None: target_mb, "ngram": target_mb}
         if need_draft:
             self._proposers["draft"] = DraftPrefillTimer(eng.proposer)
+            self._proposers["hybrid"] = DraftPrefillTimer(copy.copy(eng.proposer))
+            self._proposers["hybrid"].inner.ngram_first = (s.ngram_min, s.ngram_max)
             self.draft_path = getattr(eng, "draft_path", None)
             runner = getattr(eng.proposer, "runner", None)
             self._model_mb["draft"] = target_mb + (module_bytes(runner.model) / 2**20 if runner else 0.0)
+            self._model_mb["hybrid"] = self._model_mb["draft"]
             if runner is not None:
                 self._weight_bytes["draft"] = linear_weight_bytes(runner.model)
         self.memory_bandwidth_gbps = measure_memory_bandwidth()
@@ -330,7 +334,7 @@ class BenchRunner:
                 self._spec[c.name] = SpeculativeConfig(method="ngram", num_speculative_tokens=c.k,
                                                        prompt_lookup_min=s.ngram_min, prompt_lookup_max=s.ngram_max,
                                                        adaptive=s.adaptive)
-            elif c.method == "draft":
+            elif c.method in ("draft", "hybrid"):
                 self._spec[c.name] = dataclasses.replace(base, num_speculative_tokens=c.k, adaptive=s.adaptive)
         has_template = bool(getattr(eng.tokenizer, "chat_template", None))
         if s.chat_template == "on" and not has_template:

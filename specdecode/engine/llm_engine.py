@@ -56,7 +56,9 @@ class LLMEngine:
             keep = (draft_vocab_ids(self.tokenizer, self.eos_token_ids, spec.draft_vocab_size,
                                     draft.model.args.vocab_size) if spec.draft_vocab_size else None)
             self.proposer = DraftModelProposer(ModelRunner(draft, c.max_num_seqs, self.max_model_len, c.device),
-                                               target.model.args.vocab_size, spec.draft_p_min, keep)
+                                               target.model.args.vocab_size, spec.draft_p_min, keep,
+                                               ngram_first=((spec.prompt_lookup_min, spec.prompt_lookup_max)
+                                                            if spec.ngram_first else None))
         self.load_time = time.perf_counter() - t0
         self.scheduler = Scheduler(c.max_num_seqs, c.max_waiting_requests)
         self.spec_stats = SpecDecodeStats()

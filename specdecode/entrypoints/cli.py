@@ -129,6 +129,9 @@ def _add_model_flags(p: argparse.ArgumentParser, draft_help: str, with_k: bool =
     g.add_argument("--draft-vocab-size", type=_int_at_least(256), default=None, metavar="N",
                    help="draft model: score only the N lowest token ids (a BPE vocabulary's most frequent "
                         "tokens) plus special tokens; a cheaper draft step, same output (default: all)")
+    g.add_argument("--ngram-first", action="store_true",
+                   help="with a draft model: use prompt lookup (--ngram-min/--ngram-max) where the context ends in "
+                        "an n-gram seen before, and the draft model only elsewhere")
     g.add_argument("--ngram-min", type=_int_at_least(1), default=1, metavar="N",
                    help="n-gram drafting: shortest suffix to look up (default 1)")
     g.add_argument("--ngram-max", type=_int_at_least(1), default=4, metavar="N",
@@ -223,7 +226,9 @@ def _engine_kwargs(args, k: int | None) -> dict:
             kw["speculative_draft_vocab_size"] = args.draft_vocab_size
         if args.quantization_draft and draft != "[ngram]":
             kw["speculative_model_quantization"] = args.quantization_draft
-        if draft == "[ngram]":
+        if args.ngram_first and draft != "[ngram]":
+            kw["speculative_ngram_first"] = True
+        if draft == "[ngram]" or args.ngram_first:
             if args.ngram_min > args.ngram_max:
                 raise CLIError(f"--ngram-min ({args.ngram_min}) must not exceed --ngram-max ({args.ngram_max})")
             kw.update(ngram_prompt_lookup_min=args.ngram_min, ngram_prompt_lookup_max=args.ngram_max)
@@ -504,10 +509,10 @@ def cmd_bench(args) -> int:
     methods = [m for m in args.method if m != "none"]
     model = _resolve_user_path(args.model, "target") if args.model is not None else None
     draft = None
-    if "draft" in methods:
+    if "draft" in methods or "hybrid" in methods:
         choice = _draft_choice(args.model, args.model_draft)
         if choice is None or choice == "[ngram]":
-            raise CLIError("--method draft needs a draft model: pass -md DRAFT (or drop 'draft' from --method)")
+            raise CLIError("--method draft/hybrid needs a draft model: pass -md DRAFT (or drop them from --method)")
         draft = None if choice == "default" else _resolve_user_path(choice, "draft")
     for out in (args.output_json,):
         if out and Path(out).is_dir():
@@ -666,9 +671,10 @@ def build_parser(with_serve: bool = False) -> argparse.ArgumentParser:
     bd.add_argument("--max-tokens", "-n", dest="max_tokens", type=_int_at_least(1), default=64, metavar="N",
                     help="tokens generated per prompt (default 64)")
     bd.add_argument("--method", type=_name_list({"ngram": "ngram", "draft": "draft", "draft_model": "draft",
-                                                  "none": "none"}),
+                                                  "hybrid": "hybrid", "none": "none"}),
                     default=["ngram", "draft"], metavar="M,M",
-                    help="speculative methods to compare with the baseline: ngram, draft (default ngram,draft)")
+                    help="speculative methods to compare with the baseline: ngram, draft, hybrid (n-gram lookup "
+                         "first, the draft model where nothing matches) (default ngram,draft)")
     bd.add_argument("--k", "--draft", dest="k", type=_int_list(1, 16), default=[2, 4], metavar="K,K",
                     help="draft lengths to try for each method (default 2,4)")
     bd.add_argument("--chat-template", choices=["auto", "on", "off"], default="auto",

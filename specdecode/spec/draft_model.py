@@ -9,6 +9,7 @@ import torch.nn as nn
 from specdecode.engine.model_runner import ModelRunner
 from specdecode.layers.linear import Linear
 from specdecode.layers.sampler import logits_to_probs, sample
+from specdecode.spec.ngram import ngram_lookup
 from specdecode.spec.proposer import Proposal
 
 
@@ -41,11 +42,19 @@ class TruncatedHead(nn.Module):
 
 
 class DraftModelProposer:
+    """k autoregressive draft steps, batched over requests.
+
+    With ``ngram_first = (n_min, n_max)`` a request whose context ends in an n-gram seen earlier (prompt
+    lookup) takes the tokens that followed it instead, and the draft model runs only for the others: in text
+    that copies from its context the lookup is as good as the draft and costs nothing. Those drafts are
+    one-hot, as the n-gram proposer's are, and the draft model catches up on them at its next step."""
+
     def __init__(self, runner: ModelRunner, target_vocab: int, p_min: float = 0.0,
-                 vocab_ids: torch.Tensor | None = None):
+                 vocab_ids: torch.Tensor | None = None, ngram_first: tuple[int, int] | None = None):
         self.runner = runner
         self.vocab = target_vocab
         self.p_min = p_min
+        self.ngram_first = ngram_first
         model = runner.model
         if vocab_ids is not None and len(vocab_ids) < model.args.vocab_size:
             model.lm_head = TruncatedHead(model.lm_head, vocab_ids, model.args.vocab_size)
@@ -82,6 +91,23 @@ class DraftModelProposer:
         return torch.cat([logits, pad], dim=-1)
 
     def propose(self, requests: list, ks: list[int]) -> Proposal:
+        if self.ngram_first is None:
+            return self._draft(requests, ks)
+        looked = [ngram_lookup(r.all_token_ids, k, *self.ngram_first) if k > 0 else [] for r, k in zip(requests, ks)]
+        prop = self._draft(requests, [0 if found else k for found, k in zip(looked, ks)])
+        if not any(looked):
+            return prop
+        probs = prop.probs
+        width = max(len(t) for t in looked + prop.tokens)
+        if probs is not None:  # some sampled request used the draft model: give looked-up drafts one-hot rows
+            probs = torch.cat([probs, probs.new_zeros(len(requests), width - probs.shape[1], self.vocab)], 1)
+            for i, found in enumerate(looked):
+                if found and not requests[i].params.greedy:
+                    probs[i, torch.arange(len(found)), torch.tensor(found)] = 1.0
+        tokens = [found or drafted for found, drafted in zip(looked, prop.tokens)]
+        return Proposal(tokens, probs, prop.step_seconds)
+
+    def _draft(self, requests: list, ks: list[int]) -> Proposal:
         active = [i for i, k in enumerate(ks) if k > 0]
         tokens: list[list[int]] = [[] for _ in requests]
         kmax = max(ks, default=0)
