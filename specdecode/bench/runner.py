@@ -74,7 +74,7 @@ class BenchSettings:
     seed: int = 0
     ignore_eos: bool = False
     chat_template: str = "auto"       # "auto" (when the tokenizer has one), "on", "off"
-    ngram_min: int = 1
+    ngram_min: int | None = None      # None: config.NGRAM_MIN_DEFAULT (1 for ngram, 3 for hybrid)
     ngram_max: int = 4
     dtype: str = "auto"
     quantization: str | None = None
@@ -293,6 +293,7 @@ class BenchRunner:
         self._model_mb: dict[str | None, float] = {}
         self._costs: dict[str, object] = {}
         self.draft_path = None
+        self._ngram_mins: dict[str, int] = {}
 
     # ---- setup ----
     def load(self) -> None:
@@ -304,22 +305,26 @@ class BenchRunner:
         kw = dict(model=s.model, max_num_seqs=1, dtype=s.dtype, quantization=s.quantization, seed=s.seed,
                   num_threads=s.num_threads, max_model_len=s.max_model_len)
         kmax = max(s.ks) if s.ks else 1
+        from specdecode.config import NGRAM_MIN_DEFAULT
+        ngram_min = s.ngram_min or NGRAM_MIN_DEFAULT["ngram"]
+        hybrid_min = min(s.ngram_min or NGRAM_MIN_DEFAULT["ngram_first"], s.ngram_max)
+        self._ngram_mins = {"ngram": ngram_min, "hybrid": hybrid_min}
         if need_draft:
             kw.update(speculative_model=s.draft_model or "default", num_speculative_tokens=kmax,
                       speculative_draft_p_min=s.draft_p_min, speculative_draft_vocab_size=s.draft_vocab_size,
                       speculative_model_quantization=s.draft_quantization)
         elif "ngram" in s.methods:
             kw.update(speculative_model="[ngram]", num_speculative_tokens=kmax,
-                      ngram_prompt_lookup_min=s.ngram_min, ngram_prompt_lookup_max=s.ngram_max)
+                      ngram_prompt_lookup_min=ngram_min, ngram_prompt_lookup_max=s.ngram_max)
         eng = self.engine = LLMEngine.from_kwargs(**kw)
         target_mb = module_bytes(eng.target.model) / 2**20
         self._weight_bytes = {"target": linear_weight_bytes(eng.target.model)}
-        self._proposers = {None: None, "ngram": NgramProposer(s.ngram_min, s.ngram_max)}
+        self._proposers = {None: None, "ngram": NgramProposer(ngram_min, s.ngram_max)}
         self._model_mb = {None: target_mb, "ngram": target_mb}
         if need_draft:
             self._proposers["draft"] = DraftPrefillTimer(eng.proposer)
             self._proposers["hybrid"] = DraftPrefillTimer(copy.copy(eng.proposer))
-            self._proposers["hybrid"].inner.ngram_first = (s.ngram_min, s.ngram_max)
+            self._proposers["hybrid"].inner.ngram_first = (hybrid_min, s.ngram_max)
             self.draft_path = getattr(eng, "draft_path", None)
             runner = getattr(eng.proposer, "runner", None)
             self._model_mb["draft"] = target_mb + (module_bytes(runner.model) / 2**20 if runner else 0.0)
@@ -332,7 +337,7 @@ class BenchRunner:
         for c in self.configs:
             if c.method == "ngram":
                 self._spec[c.name] = SpeculativeConfig(method="ngram", num_speculative_tokens=c.k,
-                                                       prompt_lookup_min=s.ngram_min, prompt_lookup_max=s.ngram_max,
+                                                       prompt_lookup_min=ngram_min, prompt_lookup_max=s.ngram_max,
                                                        adaptive=s.adaptive)
             elif c.method in ("draft", "hybrid"):
                 self._spec[c.name] = dataclasses.replace(base, num_speculative_tokens=c.k, adaptive=s.adaptive)
@@ -442,7 +447,7 @@ class BenchRunner:
             "greedy": s.temperature == 0, "seed": s.seed, "ignore_eos": s.ignore_eos, "adaptive_k": s.adaptive,
             "draft_p_min": s.draft_p_min, "draft_vocab_size": s.draft_vocab_size,
             "draft_quantization": s.draft_quantization,
-            "chat_template": self.use_chat, "ngram_min": s.ngram_min, "ngram_max": s.ngram_max,
+            "chat_template": self.use_chat, "ngram_min": self._ngram_mins, "ngram_max": s.ngram_max,
             "dtype": s.dtype, "quantization": s.quantization, "threads": torch.get_num_threads(),
             "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
             "processor": platform.processor() or None, "load_time_s": eng.load_time, "bench_wall_time_s": wall,

@@ -132,8 +132,8 @@ def _add_model_flags(p: argparse.ArgumentParser, draft_help: str, with_k: bool =
     g.add_argument("--ngram-first", action="store_true",
                    help="with a draft model: use prompt lookup (--ngram-min/--ngram-max) where the context ends in "
                         "an n-gram seen before, and the draft model only elsewhere")
-    g.add_argument("--ngram-min", type=_int_at_least(1), default=1, metavar="N",
-                   help="n-gram drafting: shortest suffix to look up (default 1)")
+    g.add_argument("--ngram-min", type=_int_at_least(1), default=None, metavar="N",
+                   help="n-gram drafting: shortest suffix to look up (default 1; 3 with --ngram-first)")
     g.add_argument("--ngram-max", type=_int_at_least(1), default=4, metavar="N",
                    help="n-gram drafting: longest suffix to look up (default 4)")
     e = p.add_argument_group("engine")
@@ -229,7 +229,7 @@ def _engine_kwargs(args, k: int | None) -> dict:
         if args.ngram_first and draft != "[ngram]":
             kw["speculative_ngram_first"] = True
         if draft == "[ngram]" or args.ngram_first:
-            if args.ngram_min > args.ngram_max:
+            if args.ngram_min is not None and args.ngram_min > args.ngram_max:
                 raise CLIError(f"--ngram-min ({args.ngram_min}) must not exceed --ngram-max ({args.ngram_max})")
             kw.update(ngram_prompt_lookup_min=args.ngram_min, ngram_prompt_lookup_max=args.ngram_max)
     return kw
@@ -500,7 +500,7 @@ def cmd_bench(args) -> int:
 
     if args.dataset is None:
         raise CLIError("bench needs --dataset PATH (Spec-Bench JSONL, ShareGPT JSON, text) or --dataset humaneval")
-    if args.ngram_min > args.ngram_max:
+    if args.ngram_min is not None and args.ngram_min > args.ngram_max:
         raise CLIError(f"--ngram-min ({args.ngram_min}) must not exceed --ngram-max ({args.ngram_max})")
     cats = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     dataset = load_dataset(args.dataset, args.num_prompts, cats)
