@@ -33,17 +33,17 @@ class Rotary(nn.Module):
         super().__init__()
         inv = _inv_freq(rot_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", torch.cat([freqs, freqs], dim=-1).cos(), persistent=False)
+        # rotate_half(x) * sin == roll(x, half) * [-sin, sin]: the sign lives in the table (exact), so a
+        # rotation is one roll and three elementwise ops instead of two slices, a negation and a cat.
+        self.register_buffer("sin_signed", torch.cat([-freqs, freqs], dim=-1).sin(), persistent=False)
 
     def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [N, 1, head_dim] for positions [N]: looked up once per forward, used by every layer."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        """cos, signed sin [N, 1, head_dim] for positions [N]: looked up once per forward, used by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin_signed[positions].unsqueeze(1).to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [N, heads, head_dim] rotated by the per-token angles in cos/sin [N, 1, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x: [N, heads, head_dim] rotated by the per-token angles in cos / sin_signed [N, 1, head_dim] (HF's
+    rotate-half layout: x * cos + rotate_half(x) * sin)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed

@@ -30,6 +30,26 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
     return logits
 
 
+_ARGMAX_CHUNK = 128
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` (the first maximal index) for rows over a large vocabulary, several times faster on CPU.
+
+    torch's CPU argmax walks a row element by element (about 0.3 ms for 152k logits here), while a max is
+    vectorized: take each chunk's max, the first chunk holding the row's max, then the argmax inside it."""
+    shape, V = x.shape[:-1], x.shape[-1]
+    if V <= 4 * _ARGMAX_CHUNK:
+        return x.argmax(-1)
+    rows = x.reshape(-1, V)
+    if V % _ARGMAX_CHUNK:
+        rows = torch.nn.functional.pad(rows, (0, _ARGMAX_CHUNK - V % _ARGMAX_CHUNK), value=float("-inf"))
+    chunks = rows.view(rows.shape[0], -1, _ARGMAX_CHUNK)
+    c = chunks.amax(-1).argmax(-1)
+    inside = chunks[torch.arange(rows.shape[0], device=x.device), c].argmax(-1)
+    return (c * _ARGMAX_CHUNK + inside).view(shape)
+
+
 def logits_to_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p, then softmax. Greedy rows get a one-hot argmax."""
     logits = logits.float()
@@ -37,7 +57,7 @@ def logits_to_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     for i, p in enumerate(params):
         row = logits[i]
         if p.greedy:
-            probs[i] = torch.zeros_like(row).scatter_(0, row.argmax().view(1), 1.0)
+            probs[i] = torch.zeros_like(row).scatter_(0, argmax(row).view(1), 1.0)
             continue
         row = row / p.temperature
         if 0 < p.top_k < row.numel():

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from specdecode.engine.model_runner import ModelRunner
 from specdecode.layers.linear import Linear
-from specdecode.layers.sampler import logits_to_probs, sample
+from specdecode.layers.sampler import argmax, logits_to_probs, sample
 from specdecode.spec.ngram import ngram_lookup
 from specdecode.spec.proposer import Proposal
 
@@ -123,13 +123,13 @@ class DraftModelProposer:
             for i in list(active):
                 r = requests[i]
                 lg = self._fit_vocab(logits[i].float())
-                p = logits_to_probs(lg[None], [r.params])[0]
                 if r.params.greedy:
-                    tok = int(lg.argmax())
+                    tok = int(argmax(lg))
                     if self.p_min > 0 and float(torch.softmax(lg, -1)[tok]) < self.p_min and step > 0:
                         active.remove(i)  # the draft is unsure: verifying more would likely be wasted
                         continue
                 else:
+                    p = logits_to_probs(lg[None], [r.params])[0]
                     tok = sample(p, r.generator)
                     probs[i, step] = p
                 tokens[i].append(tok)

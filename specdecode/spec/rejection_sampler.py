@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.layers.sampler import sample
+from specdecode.layers.sampler import argmax, sample
 
 
 @dataclass
@@ -45,7 +45,8 @@ def rejection_sample(target_probs: torch.Tensor, draft_tokens: torch.Tensor, num
             # One draw per drafted token from the request's own generator: reproducible in any batch.
             u[r, :num_drafts[r]] = torch.rand(num_drafts[r], generator=generators[r], device=dev)
     greedy_t = torch.tensor(greedy, device=dev)[:, None]
-    ok = torch.where(greedy_t, d == target_probs[:, :K].argmax(-1), accept_mask(p_t, p_d, u)) & valid
+    best = argmax(target_probs) if any(greedy) else None  # [R, K+1]
+    ok = torch.where(greedy_t, d == best[:, :K] if best is not None else False, accept_mask(p_t, p_d, u)) & valid
     n_acc = torch.cumprod(ok.int(), dim=1).sum(1).tolist() if K else [0] * R
 
     tokens = []
@@ -53,7 +54,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_tokens: torch.Tensor, num
         a = n_acc[r]
         accepted = d[r, :a].tolist()
         if greedy[r]:
-            final = int(target_probs[r, a].argmax())
+            final = int(best[r, a])
         elif a < num_drafts[r]:
             p = target_probs[r, a]
             q = draft_probs[r, a] if draft_probs is not None else torch.zeros_like(p).index_fill_(0, d[r, a], 1.0)
