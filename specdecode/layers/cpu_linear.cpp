@@ -493,6 +493,43 @@ static inline int32_t load4(const int8_t* p) {
   return v;
 }
 
+// The integer formats share their tiling: TILE<R, C> computes R rows x C groups of 16 channels.
+template <typename A>
+using GroupTile = void (*)(const A&, int64_t, int64_t);
+template <typename A>
+using HalfGroup = void (*)(const A&, int64_t, int64_t, int);
+
+// AVX2: a group of 16 channels as two halves of 8, both at once for up to 3 rows, else one at a time (the
+// accumulators stay within 16 registers).
+template <typename A, int R, int C, HalfGroup<A> Both, HalfGroup<A> One>
+static inline void tile_by_halves(const A& a, int64_t m0, int64_t g0) {
+  for (int c = 0; c < C; ++c) {
+    if (R <= 3) {
+      Both(a, m0, g0 + c, 0);
+    } else {
+      One(a, m0, g0 + c, 0);
+      One(a, m0, g0 + c, 1);
+    }
+  }
+}
+
+// Groups [g0, g1) of rows [m0, m0 + R): tiles of C groups, then single groups.
+template <typename A, int R, int C, GroupTile<A> Wide, GroupTile<A> Single>
+static void group_rows(const A& a, int64_t m0, int64_t g0, int64_t g1) {
+  int64_t g = g0;
+  for (; g + C <= g1; g += C) Wide(a, m0, g);
+  for (; g < g1; ++g) Single(a, m0, g);
+}
+
+// Every row and group through schedule(); rows[R - 1] handles tiles of R rows.
+template <typename A>
+static void run_groups(const A& a, int64_t M, int64_t group_bytes,
+                       void (*const (&rows)[6])(const A&, int64_t, int64_t, int64_t)) {
+  const int64_t groups = (a.N + kGroup - 1) / kGroup;
+  schedule(M, groups, group_bytes, a.Kp * kGroup, int64_t(1) << 17,
+           [&](int R, int64_t m, int64_t g0, int64_t g1) { rows[std::min(R, 6) - 1](a, m, g0, g1); }, kGroupUnit);
+}
+
 #if SPECDECODE_VNNI
 // R rows x C groups of 16 channels.
 template <int R, int C>
@@ -607,14 +644,7 @@ static inline void w8a8_group(const W8Args& a, int64_t m0, int64_t g, int h0) {
 }
 template <int R, int C>
 static inline void w8a8_tile(const W8Args& a, int64_t m0, int64_t g0) {
-  for (int c = 0; c < C; ++c) {
-    if (R <= 3) {
-      w8a8_group<R, 2>(a, m0, g0 + c, 0);
-    } else {
-      w8a8_group<R, 1>(a, m0, g0 + c, 0);
-      w8a8_group<R, 1>(a, m0, g0 + c, 1);
-    }
-  }
+  tile_by_halves<W8Args, R, C, w8a8_group<R, 2>, w8a8_group<R, 1>>(a, m0, g0);
 }
 constexpr int w8a8_width(int) { return 1; }
 
@@ -648,24 +678,13 @@ constexpr int w8a8_width(int) { return 1; }
 
 template <int R>
 static void w8a8_rows(const W8Args& a, int64_t m0, int64_t g0, int64_t g1) {
-  constexpr int C = w8a8_width(R);
-  int64_t g = g0;
-  for (; g + C <= g1; g += C) w8a8_tile<R, C>(a, m0, g);
-  for (; g < g1; ++g) w8a8_tile<R, 1>(a, m0, g);
+  group_rows<W8Args, R, w8a8_width(R), w8a8_tile<R, w8a8_width(R)>, w8a8_tile<R, 1>>(a, m0, g0, g1);
 }
 
 static void w8a8_run(const W8Args& a, int64_t M) {
-  const int64_t groups = (a.N + kGroup - 1) / kGroup;
-  schedule(M, groups, a.Kp * kGroup, a.Kp * kGroup, int64_t(1) << 17, [&](int R, int64_t m, int64_t g0, int64_t g1) {
-    switch (R) {
-      case 1: w8a8_rows<1>(a, m, g0, g1); break;
-      case 2: w8a8_rows<2>(a, m, g0, g1); break;
-      case 3: w8a8_rows<3>(a, m, g0, g1); break;
-      case 4: w8a8_rows<4>(a, m, g0, g1); break;
-      case 5: w8a8_rows<5>(a, m, g0, g1); break;
-      default: w8a8_rows<6>(a, m, g0, g1); break;
-    }
-  }, kGroupUnit);
+  static void (*const rows[6])(const W8Args&, int64_t, int64_t, int64_t) = {
+      w8a8_rows<1>, w8a8_rows<2>, w8a8_rows<3>, w8a8_rows<4>, w8a8_rows<5>, w8a8_rows<6>};
+  run_groups(a, M, a.Kp * kGroup, rows);
 }
 
 // Quantizes the activations of x [M, ldx] (blocks of 32, see quantize_row) and hands them to run(QAct).
@@ -910,14 +929,7 @@ static inline void w4a8_group(const W4Args& a, int64_t m0, int64_t g, int h0) {
 }
 template <int R, int C>
 static inline void w4a8_tile(const W4Args& a, int64_t m0, int64_t g0) {
-  for (int c = 0; c < C; ++c) {
-    if (R <= 3) {
-      w4a8_group<R, 2>(a, m0, g0 + c, 0);
-    } else {
-      w4a8_group<R, 1>(a, m0, g0 + c, 0);
-      w4a8_group<R, 1>(a, m0, g0 + c, 1);
-    }
-  }
+  tile_by_halves<W4Args, R, C, w4a8_group<R, 2>, w4a8_group<R, 1>>(a, m0, g0);
 }
 constexpr int w4a8_width(int) { return 1; }
 
@@ -954,25 +966,13 @@ constexpr int w4a8_width(int) { return 1; }
 
 template <int R>
 static void w4a8_rows(const W4Args& a, int64_t m0, int64_t g0, int64_t g1) {
-  constexpr int C = w4a8_width(R);
-  int64_t g = g0;
-  for (; g + C <= g1; g += C) w4a8_tile<R, C>(a, m0, g);
-  for (; g < g1; ++g) w4a8_tile<R, 1>(a, m0, g);
+  group_rows<W4Args, R, w4a8_width(R), w4a8_tile<R, w4a8_width(R)>, w4a8_tile<R, 1>>(a, m0, g0, g1);
 }
 
 static void w4a8_run(const W4Args& a, int64_t M) {
-  const int64_t groups = (a.N + kGroup - 1) / kGroup;
-  schedule(M, groups, a.Kp * kGroup / 2 + a.nblocks * kGroup * 2, a.Kp * kGroup, int64_t(1) << 17,
-           [&](int R, int64_t m, int64_t g0, int64_t g1) {
-    switch (R) {
-      case 1: w4a8_rows<1>(a, m, g0, g1); break;
-      case 2: w4a8_rows<2>(a, m, g0, g1); break;
-      case 3: w4a8_rows<3>(a, m, g0, g1); break;
-      case 4: w4a8_rows<4>(a, m, g0, g1); break;
-      case 5: w4a8_rows<5>(a, m, g0, g1); break;
-      default: w4a8_rows<6>(a, m, g0, g1); break;
-    }
-  }, kGroupUnit);
+  static void (*const rows[6])(const W4Args&, int64_t, int64_t, int64_t) = {
+      w4a8_rows<1>, w4a8_rows<2>, w4a8_rows<3>, w4a8_rows<4>, w4a8_rows<5>, w4a8_rows<6>};
+  run_groups(a, M, a.Kp * kGroup / 2 + a.nblocks * kGroup * 2, rows);
 }
 
 // w4a8_linear(x_ptr, ldx, w_ptr, s_ptr, Kp, K, bias_ptr, y_ptr, ldy, M, N): x float32 [M, ldx], w uint8
