@@ -63,10 +63,10 @@ class SpeculativeConfig:
                        f"and beyond {MAX_SPEC_TOKENS} the chance that every draft is accepted is so small that "
                        "the extra verification work is wasted.")
         if self.prompt_lookup_min is None:
-            self.prompt_lookup_min = NGRAM_MIN_DEFAULT["ngram_first" if self.ngram_first else "ngram"]
-            self.prompt_lookup_min = min(self.prompt_lookup_min, self.prompt_lookup_max) \
-                if isinstance(self.prompt_lookup_max, int) else self.prompt_lookup_min
-        if self.method == "ngram":
+            default = NGRAM_MIN_DEFAULT["ngram_first" if self.ngram_first else "ngram"]
+            hi = self.prompt_lookup_max
+            self.prompt_lookup_min = min(default, hi) if isinstance(hi, int) and hi >= 1 else default
+        if self.method == "ngram" or self.ngram_first:
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
             if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
                 raise _err(f"ngram lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, got min={lo!r}, max={hi!r}.")
@@ -85,10 +85,6 @@ class SpeculativeConfig:
                 raise _err(f"draft_vocab_size must be an integer >= 256 (e.g. 32768), got {v!r}.")
         if self.ngram_first and self.method != "draft_model":
             raise _err("ngram_first combines prompt lookup with a draft model; with method 'ngram' there is none.")
-        if self.method == "draft_model" and self.ngram_first:
-            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-            if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
-                raise _err(f"ngram_first needs 1 <= prompt_lookup_min <= prompt_lookup_max, got min={lo!r}, max={hi!r}.")
         if self.quantization is not None:
             if self.method != "draft_model":
                 raise _err("speculative quantization only applies to a draft model (n-gram drafting has none).")

@@ -313,3 +313,20 @@ def test_draft_vocab_size_validation(tiny_models, tiny_draft):
                         speculative_draft_vocab_size=1024), "draft_vocab_size", "draft model")
     _raises(lambda: LLM(model, speculative_model=str(tiny_draft), num_speculative_tokens=2,
                         speculative_draft_vocab_size=10), "draft_vocab_size", "256")
+
+
+def test_ngram_first_validation_and_defaults(tiny_models, tiny_draft):
+    from specdecode.config import EngineConfig
+
+    model, draft = str(tiny_models["llama"]), str(tiny_draft)
+    _raises(lambda: EngineConfig.from_kwargs(model=model, speculative_model="[ngram]", num_speculative_tokens=2,
+                                             speculative_ngram_first=True), "ngram_first", "draft model")
+    _raises(lambda: EngineConfig.from_kwargs(model=model, speculative_model=draft, num_speculative_tokens=2,
+                                             speculative_ngram_first=True, ngram_prompt_lookup_min=5,
+                                             ngram_prompt_lookup_max=4), "prompt_lookup_min", "5")
+    # Lookup ahead of a draft model needs a 3-token match by default; plain n-gram drafting takes any match.
+    cfg = EngineConfig.from_kwargs(model=model, speculative_config={"model": draft, "num_speculative_tokens": 2,
+                                                                    "ngram_first": True})
+    assert (cfg.speculative.prompt_lookup_min, cfg.speculative.prompt_lookup_max) == (3, 4)
+    cfg = EngineConfig.from_kwargs(model=model, speculative_model="[ngram]", num_speculative_tokens=2)
+    assert cfg.speculative.prompt_lookup_min == 1
