@@ -19,8 +19,16 @@ SPEC_METHODS = ("draft_model", "ngram")
 # the default draft does (about 70%), 3- and 4-token matches about as often or more.
 NGRAM_MIN_DEFAULT = {"ngram": 1, "ngram_first": 3}
 MAX_SPEC_TOKENS = 16
+
+
+def default_lookup_min(ngram_first: bool, lookup_max: Any) -> int:
+    """prompt_lookup_min when none is given: NGRAM_MIN_DEFAULT, never above a valid prompt_lookup_max."""
+    default = NGRAM_MIN_DEFAULT["ngram_first" if ngram_first else "ngram"]
+    return min(default, lookup_max) if isinstance(lookup_max, int) and lookup_max >= 1 else default
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = (None, "none", "int8", "w8a8", "w4a8")
+QUANTIZATION_CHOICES = [q for q in QUANTIZATIONS if q]  # for command-line flags
 
 
 def _err(msg: str) -> ValueError:
@@ -63,9 +71,7 @@ class SpeculativeConfig:
                        f"and beyond {MAX_SPEC_TOKENS} the chance that every draft is accepted is so small that "
                        "the extra verification work is wasted.")
         if self.prompt_lookup_min is None:
-            default = NGRAM_MIN_DEFAULT["ngram_first" if self.ngram_first else "ngram"]
-            hi = self.prompt_lookup_max
-            self.prompt_lookup_min = min(default, hi) if isinstance(hi, int) and hi >= 1 else default
+            self.prompt_lookup_min = default_lookup_min(self.ngram_first, self.prompt_lookup_max)
         if self.method == "ngram" or self.ngram_first:
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
             if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):

@@ -74,7 +74,7 @@ class BenchSettings:
     seed: int = 0
     ignore_eos: bool = False
     chat_template: str = "auto"       # "auto" (when the tokenizer has one), "on", "off"
-    ngram_min: int | None = None      # None: config.NGRAM_MIN_DEFAULT (1 for ngram, 3 for hybrid)
+    ngram_min: int | None = None      # None: config.default_lookup_min (1 for ngram, 3 for hybrid)
     ngram_max: int = 4
     dtype: str = "auto"
     quantization: str | None = None
@@ -305,9 +305,9 @@ class BenchRunner:
         kw = dict(model=s.model, max_num_seqs=1, dtype=s.dtype, quantization=s.quantization, seed=s.seed,
                   num_threads=s.num_threads, max_model_len=s.max_model_len)
         kmax = max(s.ks) if s.ks else 1
-        from specdecode.config import NGRAM_MIN_DEFAULT
-        ngram_min = s.ngram_min or NGRAM_MIN_DEFAULT["ngram"]
-        hybrid_min = min(s.ngram_min or NGRAM_MIN_DEFAULT["ngram_first"], s.ngram_max)
+        from specdecode.config import default_lookup_min
+        ngram_min = s.ngram_min or default_lookup_min(False, s.ngram_max)
+        hybrid_min = s.ngram_min or default_lookup_min(True, s.ngram_max)
         self._ngram_mins = {"ngram": ngram_min, "hybrid": hybrid_min}
         if need_draft:
             kw.update(speculative_model=s.draft_model or "default", num_speculative_tokens=kmax,

@@ -18,6 +18,8 @@ import signal
 import sys
 from pathlib import Path
 
+from specdecode.config import QUANTIZATION_CHOICES
+
 EXIT_USAGE = 2
 DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
 _NO_DRAFT = ("none", "off", "no", "0")
@@ -143,12 +145,12 @@ def _add_model_flags(p: argparse.ArgumentParser, draft_help: str, with_k: bool =
                    help="CPU threads for torch (default: torch's choice)")
     e.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="weight dtype (default auto: float32 on CPU)")
-    e.add_argument("-q", "--quantization", choices=["int8", "w8a8", "w4a8", "none"], default=None,
+    e.add_argument("-q", "--quantization", choices=QUANTIZATION_CHOICES, default=None,
                    help="int8: per-channel int8 weights, fp32 activations; w8a8: int8 weights and int8 "
                         "activations (blocks of 32, integer dot products; fastest on CPU); w4a8: 4-bit "
                         "weights (a scale per 32), int8 activations")
     e.add_argument("-qd", "--quantization-draft", dest="quantization_draft",
-                   choices=["int8", "w8a8", "w4a8", "none"], default=None,
+                   choices=QUANTIZATION_CHOICES, default=None,
                    help="the draft model's weight format (default: the same as -q); a draft's precision only "
                         "changes how often its tokens are accepted, never the output")
     e.add_argument("-s", "--seed", type=int, default=0, help="random seed (default 0)")

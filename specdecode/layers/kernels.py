@@ -49,6 +49,8 @@ _FMT_CODE = {"fp32": 0, "bf16": 1, "int8": 2, "w8a8": 3, "w4a8": 4}
 _WEIGHT_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "w8a8": torch.uint8,
                  "w4a8": torch.uint8}
 _K_ALIGN = {"fp32": 8, "bf16": 8, "int8": 8, "w8a8": 32, "w4a8": 32}
+QUANTIZED = ("int8", "w8a8", "w4a8")  # formats that replace the float weight (quantization= values)
+INT_ACTS = ("w8a8", "w4a8")  # formats whose kernel also quantizes the activations (quantize_activations)
 W8A8_GROUP = 16  # channels per interleaved w8a8 weight group
 ACT_BLOCK = 32  # w8a8 activation quantization block (along K)
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_linear.cpp")
@@ -114,9 +116,7 @@ class PackedLinear:
                     or scale.dtype != torch.float16 or not scale.is_contiguous() or not scale.is_cpu
                     or tuple(scale.shape) != (G, Kp // ACT_BLOCK * W8A8_GROUP)):
                 raise ValueError(f"w4a8_linear: malformed packed weight {tuple(w.shape)} {w.dtype} for {self!r}")
-            args = (w.data_ptr(), Kp, _FMT_CODE["w4a8"], scale)
-            self._checked = (key, args)
-            return args
+            stride = Kp
         elif (w.dtype != _WEIGHT_DTYPE[self.fmt] or w.ndim != 2 or w.shape[0] != N or w.stride(1) != 1
                 or w.shape[1] < _round_up(K, _K_ALIGN[self.fmt]) or (N > 1 and w.stride(0) < w.shape[1]) or not w.is_cpu):
             raise ValueError(f"rowinv_linear: malformed packed weight {tuple(w.shape)} {w.dtype} for {self!r}")
@@ -127,7 +127,7 @@ class PackedLinear:
                 raise ValueError("rowinv_linear: int8 weight needs a [N] scale")
             if scale.dtype != torch.float32 or not scale.is_cpu or not scale.is_contiguous():
                 scale = scale.to(device="cpu", dtype=torch.float32).contiguous()
-        else:
+        elif self.fmt != "w4a8":  # w4a8's fp16 block scales were checked above
             scale = None
         args = (w.data_ptr(), stride, _FMT_CODE[self.fmt], scale)
         self._checked = (key, args)
@@ -452,7 +452,7 @@ def _fallback(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None) 
     """Pure torch, row by row: every output row comes from its own M=1 call, so it is row-invariant
     (independence from the thread count is up to the BLAS library here)."""
     M = x.shape[0]
-    if packed.fmt in ("w8a8", "w4a8"):
+    if packed.fmt in INT_ACTS:
         x = quantize_activations(x)
     out = torch.empty(M, packed.out_features, dtype=torch.float32, device=x.device)
     for n0, w in _weight_chunks(packed, x.device):
@@ -474,7 +474,7 @@ def rowinv_linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | No
         # Accelerators: plain BLAS on a cached dequantized copy. Row invariance is NOT guaranteed.
         w = _dense_on(packed, x.device)
         b = bias.to(device=x.device, dtype=torch.float32) if bias is not None else None
-        return F.linear(quantize_activations(x) if packed.fmt in ("w8a8", "w4a8") else x, w, b)
+        return F.linear(quantize_activations(x) if packed.fmt in INT_ACTS else x, w, b)
     if not x.is_contiguous():
         x = x.contiguous()
     if _disabled() or not packed.weight.is_cpu:

@@ -67,7 +67,7 @@ class Linear(nn.Module):
         """Pack the loaded weight for the CPU kernel; int8 drops the float copy to save memory."""
         if self.weight.device.type != "cpu":
             return
-        fmt = quantization if quantization in ("int8", "w8a8", "w4a8") else {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(
+        fmt = quantization if quantization in kernels.QUANTIZED else {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(
             self.weight.dtype, "fp32")
         w = self.weight.data if fmt != "fp32" or self.weight.dtype == torch.float32 else self.weight.data.float()
         self.packed = kernels.pack_linear(w, fmt)

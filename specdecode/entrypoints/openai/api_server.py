@@ -26,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specdecode.config import QUANTIZATION_CHOICES
 from specdecode.engine.async_engine import (AsyncLLMEngine, EngineDeadError, EngineStepError, RequestStream,
                                             default_engine_kwargs)
 from specdecode.engine.llm_engine import LLMEngine
@@ -605,7 +606,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--max-num-seqs", type=int, default=None, metavar="N", help="Running batch size (cache slots).")
     e.add_argument("--max-model-len", type=int, default=None, metavar="N", help="Context length (prompt + output).")
     e.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
-    e.add_argument("--quantization", default=None, choices=["int8", "w8a8", "w4a8", "none"])
+    e.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES)
     e.add_argument("--seed", type=int, default=None, metavar="N")
     e.add_argument("--max-waiting-requests", type=int, default=None, metavar="N",
                    help="Waiting-queue limit; requests beyond it get HTTP 503.")
@@ -617,7 +618,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (vLLM form).')
     s.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
                    help="Turn speculation off while the running batch has at least this many sequences.")
-    s.add_argument("--speculative-model-quantization", default=None, choices=["int8", "w8a8", "w4a8", "none"],
+    s.add_argument("--speculative-model-quantization", default=None, choices=QUANTIZATION_CHOICES,
                    help="The draft model's weight format (default: the same as --quantization).")
     s.add_argument("--ngram-prompt-lookup-max", type=int, default=None, metavar="N")
     s.add_argument("--ngram-prompt-lookup-min", type=int, default=None, metavar="N")
