@@ -51,6 +51,15 @@ constexpr int64_t kL2Budget = 192 * 1024;  // bytes of weights per channel block
 #ifndef SPECDECODE_PF_LOCALITY
 #define SPECDECODE_PF_LOCALITY 3
 #endif
+#ifndef SPECDECODE_BOTH_R
+#define SPECDECODE_BOTH_R 6
+#endif
+#ifndef SPECDECODE_W4_PFD
+#define SPECDECODE_W4_PFD 16
+#endif
+#ifndef SPECDECODE_W8_PFD
+#define SPECDECODE_W8_PFD 4
+#endif
 constexpr bool kPrefetch = SPECDECODE_PREFETCH;  // software prefetch of the next weight tile
 
 static inline void prefetch(const char* p) { __builtin_prefetch(p, 0, SPECDECODE_PF_LOCALITY); }
@@ -330,7 +339,11 @@ struct FpEnvGuard {
 #endif
 
 // Rows per register tile for `rem` remaining rows (at most 6).
+#ifndef SPECDECODE_MAXR
+#define SPECDECODE_MAXR 6
+#endif
 static inline int next_rows(int64_t rem) {
+  if (SPECDECODE_MAXR == 4 && rem <= 8) return rem <= 4 ? static_cast<int>(rem) : rem == 5 ? 3 : rem == 6 ? 3 : 4;
   if (rem <= 6) return static_cast<int>(rem);
   if (rem <= 8) return 4;  // 7 -> 4+3, 8 -> 4+4
   return 6;
@@ -447,8 +460,9 @@ constexpr int64_t kQBlock = 32;   // activation quantization block
 constexpr int64_t kGroup = 16;    // channels per interleaved weight group
 constexpr int64_t kGroupUnit = 4; // groups per parallel work unit (a multiple of every tile width)
 
-struct QAct {            // quantized activations, per row: Kp bytes of q, Kp/32 ints and floats
+struct QAct {            // quantized activations, per row: Kp bytes of q and of |q|, Kp/32 ints and floats
   const int8_t* q;
+  const int8_t* qabs;    // |q|: AVX2's unsigned-by-signed byte products take it ready-made
   const int32_t* ncorr;  // -128 * sum of the block's q values
   const float* d;        // the block's scale
   int64_t ldq;           // = Kp
@@ -468,7 +482,7 @@ struct W8Args {
   const uint8_t* group(int64_t g) const { return w + g * Kp * kGroup; }
 };
 
-static void quantize_row(const float* x, int64_t K, int64_t Kp, int8_t* q, int32_t* ncorr, float* dl) {
+static void quantize_row(const float* x, int64_t K, int64_t Kp, int8_t* q, int8_t* qabs, int32_t* ncorr, float* dl) {
   for (int64_t b0 = 0; b0 < Kp; b0 += kQBlock) {
     const int64_t n = std::max<int64_t>(0, std::min<int64_t>(kQBlock, K - b0));
     float amax = 0.0f;
@@ -480,6 +494,7 @@ static void quantize_row(const float* x, int64_t K, int64_t Kp, int8_t* q, int32
       float v = i < n ? std::nearbyint(x[b0 + i] * id) : 0.0f;
       v = std::min(127.0f, std::max(-127.0f, v));
       q[b0 + i] = static_cast<int8_t>(v);
+      qabs[b0 + i] = static_cast<int8_t>(std::fabs(v));
       sum += q[b0 + i];
     }
     ncorr[b0 / kQBlock] = -128 * sum;
@@ -504,7 +519,7 @@ using HalfGroup = void (*)(const A&, int64_t, int64_t, int);
 template <typename A, int R, int C, HalfGroup<A> Both, HalfGroup<A> One>
 static inline void tile_by_halves(const A& a, int64_t m0, int64_t g0) {
   for (int c = 0; c < C; ++c) {
-    if (R <= 3) {
+    if (R <= SPECDECODE_BOTH_R) {
       Both(a, m0, g0 + c, 0);
     } else {
       One(a, m0, g0 + c, 0);
@@ -598,11 +613,16 @@ static inline void w8a8_group(const W8Args& a, int64_t m0, int64_t g, int h0) {
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < a.nblocks; ++b) {
+    if (SPECDECODE_W8_PFD > 0 && (H == 2 || h0 == 0)) {
+#pragma GCC unroll 8
+      for (int l = 0; l < 8; ++l) prefetch(reinterpret_cast<const char*>(wg + (b + SPECDECODE_W8_PFD) * 512 + 64 * l));
+    }
     __m256i t[R][H];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
       for (int h = 0; h < H; ++h) t[r][h] = _mm256_setzero_si256();
+#pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       __m256i wv[H];  // signed weights: (w + 128) ^ 0x80 == w
 #pragma GCC unroll 2
@@ -610,8 +630,9 @@ static inline void w8a8_group(const W8Args& a, int64_t m0, int64_t g, int h0) {
         wv[h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + (b * 8 + j) * 64 + 32 * h)), flip);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        const __m256i q = _mm256_set1_epi32(load4(a.x.q + (m0 + r) * a.x.ldq + b * kQBlock + 4 * j));
-        const __m256i aq = _mm256_abs_epi8(q);
+        const int64_t at = (m0 + r) * a.x.ldq + b * kQBlock + 4 * j;
+        const __m256i q = _mm256_set1_epi32(load4(a.x.q + at));
+        const __m256i aq = _mm256_set1_epi32(load4(a.x.qabs + at));
 #pragma GCC unroll 2
         for (int h = 0; h < H; ++h) {
           // |q| * (sign(q) * w): byte pairs stay within int16 because |q|, |w| <= 127.
@@ -693,16 +714,16 @@ static const char* with_quantized_x(const float* x, int64_t ldx, int64_t K, int6
   const char* err = nullptr;
   Py_BEGIN_ALLOW_THREADS
   try {
-    std::vector<int8_t> q(static_cast<size_t>(M * Kp));
+    std::vector<int8_t> q(static_cast<size_t>(M * Kp)), qabs(static_cast<size_t>(M * Kp));
     std::vector<int32_t> ncorr(static_cast<size_t>(M * Kp / kQBlock));
     std::vector<float> dl(static_cast<size_t>(M * Kp / kQBlock));
     const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, K));
     at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m)
-        quantize_row(x + m * ldx, K, Kp, q.data() + m * Kp, ncorr.data() + m * Kp / kQBlock,
+        quantize_row(x + m * ldx, K, Kp, q.data() + m * Kp, qabs.data() + m * Kp, ncorr.data() + m * Kp / kQBlock,
                      dl.data() + m * Kp / kQBlock);
     });
-    run(QAct{q.data(), ncorr.data(), dl.data(), Kp, Kp / kQBlock});
+    run(QAct{q.data(), qabs.data(), ncorr.data(), dl.data(), Kp, Kp / kQBlock});
   } catch (const std::exception&) {
     err = "kernel failed";
   }
@@ -871,6 +892,11 @@ static inline void w4a8_group(const W4Args& a, int64_t m0, int64_t g, int h0) {
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < a.nblocks; ++b) {
+    if (SPECDECODE_W4_PFD > 0 && (H == 2 || h0 == 0)) {
+#pragma GCC unroll 4
+      for (int l = 0; l < 4; ++l) prefetch(reinterpret_cast<const char*>(wg + (b + SPECDECODE_W4_PFD) * 256 + 64 * l));
+      if ((b & 1) == 0) prefetch(reinterpret_cast<const char*>(sg + (b + SPECDECODE_W4_PFD) * kGroup));
+    }
     __m256i t[R][H];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
