@@ -40,7 +40,7 @@
 
 namespace {
 
-enum Fmt : int { kF32 = 0, kBF16 = 1, kI8 = 2 };
+enum Fmt : int { kF32 = 0, kBF16 = 1, kI8 = 2, kW8A8 = 3, kW4A8 = 4 };
 
 constexpr int64_t kUnit = 24;       // channels per parallel work unit (lcm of tile widths 8, 6, 3, 2)
 constexpr int64_t kRowBlock = 64;   // rows processed per pass over a channel block
@@ -389,49 +389,6 @@ static void run(const Args& a, int64_t M, int64_t N) {
            [&](int R, int64_t m, int64_t c0, int64_t c1) { run_chunk<FMT>(a, R, m, c0, c1); });
 }
 
-// Python entry point: rowinv_linear(x_ptr, ldx, w_ptr, ldw, K, fmt, scale_ptr, bias_ptr, y_ptr, ldy, M, N)
-// All pointers are addresses of CPU tensors kept alive by the caller (kernels.py checks dtypes, shapes
-// and padding); scale_ptr / bias_ptr may be 0. Runs with the GIL released.
-PyObject* py_rowinv_linear(PyObject*, PyObject* args) {
-  long long xp, ldx, wp, ldw, K, fmt, sp, bp, yp, ldy, M, N;
-  if (!PyArg_ParseTuple(args, "LLLLLLLLLLLL", &xp, &ldx, &wp, &ldw, &K, &fmt, &sp, &bp, &yp, &ldy, &M, &N))
-    return nullptr;
-  if (M < 0 || N < 0 || K < 0 || ldw < ((K + 7) / 8) * 8 || (M > 1 && ldx < K) || (M > 1 && ldy < N) ||
-      fmt < kF32 || fmt > kI8 || (fmt == kI8 && sp == 0) || (M > 0 && N > 0 && (xp == 0 || wp == 0 || yp == 0))) {
-    PyErr_SetString(PyExc_ValueError, "rowinv_linear: invalid arguments");
-    return nullptr;
-  }
-  Args a;
-  a.x = reinterpret_cast<const float*>(static_cast<uintptr_t>(xp));
-  a.ldx = ldx;
-  a.w = reinterpret_cast<const void*>(static_cast<uintptr_t>(wp));
-  a.ldw = ldw;
-  a.K = K;
-  a.scale = reinterpret_cast<const float*>(static_cast<uintptr_t>(sp));
-  a.bias = reinterpret_cast<const float*>(static_cast<uintptr_t>(bp));
-  a.y = reinterpret_cast<float*>(static_cast<uintptr_t>(yp));
-  a.ldy = ldy;
-  if (M == 0 || N == 0) Py_RETURN_NONE;
-
-  const char* err = nullptr;
-  Py_BEGIN_ALLOW_THREADS
-  try {
-    switch (fmt) {
-      case kF32: run<kF32>(a, M, N); break;
-      case kBF16: run<kBF16>(a, M, N); break;
-      default: run<kI8>(a, M, N); break;
-    }
-  } catch (const std::exception&) {
-    err = "rowinv_linear: kernel failed";
-  }
-  Py_END_ALLOW_THREADS
-  if (err) {
-    PyErr_SetString(PyExc_RuntimeError, err);
-    return nullptr;
-  }
-  Py_RETURN_NONE;
-}
-
 // =============================================================================================
 // W8A8: int8 weights x int8 activations with exact integer dot products.
 //
@@ -710,55 +667,26 @@ static void w8a8_run(const W8Args& a, int64_t M) {
 
 // Quantizes the activations of x [M, ldx] (blocks of 32, see quantize_row) and hands them to run(QAct).
 template <typename RunFn>
-static const char* with_quantized_x(const float* x, int64_t ldx, int64_t K, int64_t Kp, int64_t M, RunFn&& run) {
-  const char* err = nullptr;
-  Py_BEGIN_ALLOW_THREADS
-  try {
-    std::vector<int8_t> q(static_cast<size_t>(M * Kp)), qabs(static_cast<size_t>(M * Kp));
-    std::vector<int32_t> ncorr(static_cast<size_t>(M * Kp / kQBlock));
-    std::vector<float> dl(static_cast<size_t>(M * Kp / kQBlock));
-    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, K));
-    at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m)
-        quantize_row(x + m * ldx, K, Kp, q.data() + m * Kp, qabs.data() + m * Kp, ncorr.data() + m * Kp / kQBlock,
-                     dl.data() + m * Kp / kQBlock);
-    });
-    run(QAct{q.data(), qabs.data(), ncorr.data(), dl.data(), Kp, Kp / kQBlock});
-  } catch (const std::exception&) {
-    err = "kernel failed";
-  }
-  Py_END_ALLOW_THREADS
-  return err;
-}
-
-// w8a8_linear(x_ptr, ldx, w_ptr, Kp, K, scale_ptr, bias_ptr, y_ptr, ldy, M, N): x float32 [M, ldx],
-// w uint8 interleaved [ceil(N / 16), Kp * 16] (Kp % 32 == 0, Kp >= K, padding bytes 128), scale float32
-// [N], bias 0 or [N].
-PyObject* py_w8a8_linear(PyObject*, PyObject* args) {
-  long long xp, ldx, wp, Kp, K, sp, bp, yp, ldy, M, N;
-  if (!PyArg_ParseTuple(args, "LLLLLLLLLLL", &xp, &ldx, &wp, &Kp, &K, &sp, &bp, &yp, &ldy, &M, &N)) return nullptr;
-  if (M < 0 || N < 0 || K < 0 || Kp % kQBlock != 0 || Kp < K || (M > 1 && ldx < K) || (M > 1 && ldy < N) ||
-      sp == 0 || (M > 0 && N > 0 && (xp == 0 || wp == 0 || yp == 0))) {
-    PyErr_SetString(PyExc_ValueError, "w8a8_linear: invalid arguments");
-    return nullptr;
-  }
-  if (M == 0 || N == 0) Py_RETURN_NONE;
-  W8Args a;
-  a.w = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(wp));
-  a.Kp = Kp;
-  a.nblocks = Kp / kQBlock;
-  a.N = N;
-  a.scale = reinterpret_cast<const float*>(static_cast<uintptr_t>(sp));
-  a.bias = reinterpret_cast<const float*>(static_cast<uintptr_t>(bp));
-  a.y = reinterpret_cast<float*>(static_cast<uintptr_t>(yp));
-  a.ldy = ldy;
-  const char* err = with_quantized_x(reinterpret_cast<const float*>(static_cast<uintptr_t>(xp)), ldx, K, Kp, M,
-                                     [&](const QAct& q) { a.x = q; w8a8_run(a, M); });
-  if (err) {
-    PyErr_SetString(PyExc_RuntimeError, "w8a8_linear: kernel failed");
-    return nullptr;
-  }
-  Py_RETURN_NONE;
+static void with_quantized_x(const float* x, int64_t ldx, int64_t K, int64_t Kp, int64_t M, RunFn&& run) {
+  // Kept across calls (grow only): a fresh large buffer costs page faults on every call.
+  // (thread_local: referenced through plain pointers below, since worker threads have their own instances).
+  thread_local std::vector<int8_t> q_buf, qabs_buf;
+  thread_local std::vector<int32_t> ncorr_buf;
+  thread_local std::vector<float> dl_buf;
+  q_buf.resize(std::max<size_t>(q_buf.size(), M * Kp));
+  qabs_buf.resize(q_buf.size());
+  ncorr_buf.resize(std::max<size_t>(ncorr_buf.size(), M * Kp / kQBlock));
+  dl_buf.resize(ncorr_buf.size());
+  int8_t* const q = q_buf.data();
+  int8_t* const qabs = qabs_buf.data();
+  int32_t* const ncorr = ncorr_buf.data();
+  float* const dl = dl_buf.data();
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, K));
+  at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      quantize_row(x + m * ldx, K, Kp, q + m * Kp, qabs + m * Kp, ncorr + m * Kp / kQBlock, dl + m * Kp / kQBlock);
+  });
+  run(QAct{q, qabs, ncorr, dl, Kp, Kp / kQBlock});
 }
 
 // =============================================================================================
@@ -1001,30 +929,288 @@ static void w4a8_run(const W4Args& a, int64_t M) {
   run_groups(a, M, a.Kp * kGroup / 2 + a.nblocks * kGroup * 2, rows);
 }
 
-// w4a8_linear(x_ptr, ldx, w_ptr, s_ptr, Kp, K, bias_ptr, y_ptr, ldy, M, N): x float32 [M, ldx], w uint8
-// [ceil(N / 16), Kp * 8] and s fp16 [ceil(N / 16), Kp / 32 * 16] as described above, bias 0 or [N].
-PyObject* py_w4a8_linear(PyObject*, PyObject* args) {
-  long long xp, ldx, wp, sp, Kp, K, bp, yp, ldy, M, N;
-  if (!PyArg_ParseTuple(args, "LLLLLLLLLLL", &xp, &ldx, &wp, &sp, &Kp, &K, &bp, &yp, &ldy, &M, &N)) return nullptr;
-  if (M < 0 || N < 0 || K < 0 || Kp % kQBlock != 0 || Kp < K || (M > 1 && ldx < K) || (M > 1 && ldy < N) ||
-      (M > 0 && N > 0 && (xp == 0 || wp == 0 || sp == 0 || yp == 0))) {
-    PyErr_SetString(PyExc_ValueError, "w4a8_linear: invalid arguments");
+// =============================================================================================
+// One linear in any format, as kernels.PackedLinear describes it.
+// =============================================================================================
+struct Lin {
+  int64_t fmt;        // Fmt
+  const void* w;
+  int64_t ldw;        // row stride for fp32 / bf16 / int8 (>= round_up(K, 8)); Kp for w8a8 / w4a8
+  const void* scale;  // float32 [N] for int8 / w8a8, fp16 block scales for w4a8, else unused
+  const float* bias;  // [N] or null
+  int64_t K, N;
+};
+
+static const char* check_lin(const Lin& l) {
+  if (l.fmt < kF32 || l.fmt > kW4A8 || l.K < 0 || l.N < 0 || (l.N > 0 && l.w == nullptr)) return "bad weight";
+  if (l.fmt <= kI8 ? l.ldw < ((l.K + 7) / 8) * 8 : (l.ldw % kQBlock != 0 || l.ldw < l.K)) return "bad weight stride";
+  if (l.fmt >= kI8 && l.scale == nullptr) return "missing scale";
+  return nullptr;
+}
+
+// y [M, ldy] = x [M, ldx] @ W.T (+ bias). Throws on allocation failure; runs without touching the GIL.
+static void linear(const Lin& l, const float* x, int64_t ldx, int64_t M, float* y, int64_t ldy) {
+  if (M == 0 || l.N == 0) return;
+  if (l.fmt == kW8A8) {
+    W8Args a;
+    a.w = static_cast<const uint8_t*>(l.w);
+    a.Kp = l.ldw;
+    a.nblocks = l.ldw / kQBlock;
+    a.N = l.N;
+    a.scale = static_cast<const float*>(l.scale);
+    a.bias = l.bias;
+    a.y = y;
+    a.ldy = ldy;
+    with_quantized_x(x, ldx, l.K, l.ldw, M, [&](const QAct& q) { a.x = q; w8a8_run(a, M); });
+  } else if (l.fmt == kW4A8) {
+    W4Args a;
+    a.w = static_cast<const uint8_t*>(l.w);
+    a.s = static_cast<const uint16_t*>(l.scale);
+    a.Kp = l.ldw;
+    a.nblocks = l.ldw / kQBlock;
+    a.N = l.N;
+    a.bias = l.bias;
+    a.y = y;
+    a.ldy = ldy;
+    with_quantized_x(x, ldx, l.K, l.ldw, M, [&](const QAct& q) { a.x = q; w4a8_run(a, M); });
+  } else {
+    Args a;
+    a.x = x;
+    a.ldx = ldx;
+    a.w = l.w;
+    a.ldw = l.ldw;
+    a.K = l.K;
+    a.scale = static_cast<const float*>(l.scale);
+    a.bias = l.bias;
+    a.y = y;
+    a.ldy = ldy;
+    switch (l.fmt) {
+      case kF32: run<kF32>(a, M, l.N); break;
+      case kBF16: run<kBF16>(a, M, l.N); break;
+      default: run<kI8>(a, M, l.N); break;
+    }
+  }
+}
+
+template <typename T>
+static T* ptr(long long v) { return reinterpret_cast<T*>(static_cast<uintptr_t>(v)); }
+
+// linear(fmt, x_ptr, ldx, w_ptr, ldw, K, scale_ptr, bias_ptr, y_ptr, ldy, M, N): every pointer is the address
+// of a CPU tensor that kernels.py checked and keeps alive (scale_ptr / bias_ptr may be 0). GIL released.
+PyObject* py_linear(PyObject*, PyObject* args) {
+  long long fmt, xp, ldx, wp, ldw, K, sp, bp, yp, ldy, M, N;
+  if (!PyArg_ParseTuple(args, "LLLLLLLLLLLL", &fmt, &xp, &ldx, &wp, &ldw, &K, &sp, &bp, &yp, &ldy, &M, &N))
+    return nullptr;
+  const Lin l{fmt, ptr<const void>(wp), ldw, ptr<const void>(sp), ptr<const float>(bp), K, N};
+  const char* err = check_lin(l);
+  if (!err && (M < 0 || (M > 1 && ldx < K) || (M > 1 && ldy < N) || (M > 0 && N > 0 && (xp == 0 || yp == 0))))
+    err = "bad input or output";
+  if (err) {
+    PyErr_Format(PyExc_ValueError, "linear: %s", err);
     return nullptr;
   }
-  if (M == 0 || N == 0) Py_RETURN_NONE;
-  W4Args a;
-  a.w = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(wp));
-  a.s = reinterpret_cast<const uint16_t*>(static_cast<uintptr_t>(sp));
-  a.Kp = Kp;
-  a.nblocks = Kp / kQBlock;
-  a.N = N;
-  a.bias = reinterpret_cast<const float*>(static_cast<uintptr_t>(bp));
-  a.y = reinterpret_cast<float*>(static_cast<uintptr_t>(yp));
-  a.ldy = ldy;
-  const char* err = with_quantized_x(reinterpret_cast<const float*>(static_cast<uintptr_t>(xp)), ldx, K, Kp, M,
-                                     [&](const QAct& q) { a.x = q; w4a8_run(a, M); });
+  Py_BEGIN_ALLOW_THREADS
+  try {
+    linear(l, ptr<const float>(xp), ldx, M, ptr<float>(yp), ldy);
+  } catch (const std::exception&) {
+    err = "kernel failed";
+  }
+  Py_END_ALLOW_THREADS
   if (err) {
-    PyErr_SetString(PyExc_RuntimeError, "w4a8_linear: kernel failed");
+    PyErr_Format(PyExc_RuntimeError, "linear: %s", err);
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+// =============================================================================================
+// Decoder layers for decode / verification rows (llama-style: RMSNorm, rotary, GQA attention over the
+// KV cache, gated SiLU MLP), one call for the whole stack. In Python each layer is ~15 small torch ops
+// whose dispatch costs more than their arithmetic at these sizes (a 0.5B draft spent ~11 ms of a 24 ms
+// step outside the matmuls). Same math as models/model.py's Block, not bitwise the same values: decode
+// and verification rows always take this path (prefill never does), so greedy exactness rests on it
+// being row-invariant, which it is: every row's norm, rotary, attention and activation is computed from
+// that row alone in a fixed order, and the linears are the row-invariant kernels above.
+// =============================================================================================
+constexpr int kLayerFields = 6 + 4 * 7;  // see LayerDesc::from
+
+struct LayerDesc {
+  const float *attn_norm, *mlp_norm, *q_norm, *k_norm;  // q_norm / k_norm null unless per-head q/k norms
+  float *k_cache, *v_cache;                             // [slots, KV, max_len, D]
+  Lin qkv, o, gate_up, down;
+  static LayerDesc from(const int64_t* f) {
+    auto lin = [](const int64_t* v) {
+      return Lin{v[0], ptr<const void>(v[1]), v[2], ptr<const void>(v[3]), ptr<const float>(v[4]), v[5], v[6]};
+    };
+    return LayerDesc{ptr<const float>(f[0]), ptr<const float>(f[1]), ptr<const float>(f[2]), ptr<const float>(f[3]),
+                     ptr<float>(f[4]), ptr<float>(f[5]), lin(f + 6), lin(f + 13), lin(f + 20), lin(f + 27)};
+  }
+};
+
+struct StackDims {
+  int64_t hidden, H, KV, D, I, slots, max_len;
+  float eps, scale;
+};
+
+// Sum of a[i] * b[i] in 8 interleaved partial sums and one fixed pairwise reduction.
+static inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
+  for (int l = 0; i < n; ++i, ++l) acc[l] += a[i] * b[i];
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+// exp(x) to ~2 ulp (Cephes' range reduction and polynomial); plain float ops, so loops over it vectorize.
+static inline float fast_exp(float x) {
+  x = std::min(88.3762626647949f, std::max(-87.3365447504f, x));
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float n = (x * 1.44269504088896341f + magic) - magic;
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, 4);
+  return p * two_n;
+}
+
+static void rms_norm(const float* x, const float* w, int64_t n, float eps, float* y) {
+  const float r = 1.0f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) y[i] = (x[i] * r) * w[i];
+}
+
+// HF's rotate-half rotary embedding: x * cos + roll(x, D / 2) * sin_signed (the sign lives in the table).
+static void rotate(float* x, const float* cos, const float* sin_signed, int64_t D) {
+  float t[512];
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < D; ++d) t[d] = x[d] * cos[d] + x[d < half ? d + half : d - half] * sin_signed[d];
+  std::memcpy(x, t, sizeof(float) * D);
+}
+
+// rep query heads q [rep, D] (sharing one KV head) over keys / values [len, D]: out [rep, D].
+static void attend(const float* q, int64_t rep, const float* keys, const float* vals, int64_t len, int64_t D,
+                   float scale, float* out, float* scores) {
+  for (int64_t r = 0; r < rep; ++r) {
+    float* s = scores + r * len;
+    for (int64_t j = 0; j < len; ++j) s[j] = dot(q + r * D, keys + j * D, D) * scale;
+    float mx = s[0];
+    for (int64_t j = 1; j < len; ++j) mx = std::max(mx, s[j]);
+    for (int64_t j = 0; j < len; ++j) s[j] = fast_exp(s[j] - mx);
+    float* o = out + r * D;
+    std::fill(o, o + D, 0.0f);
+    float total = 0.0f;
+    for (int64_t j = 0; j < len; ++j) {
+      total += s[j];
+      const float e = s[j];
+      const float* v = vals + j * D;
+      for (int64_t d = 0; d < D; ++d) o[d] += e * v[d];
+    }
+    for (int64_t d = 0; d < D; ++d) o[d] = o[d] / total;
+  }
+}
+
+static void layer_forward(const LayerDesc& L, const StackDims& g, float* x, int64_t M, const int64_t* pos,
+                          const int64_t* slot, const float* cos, const float* sin_signed) {
+  const int64_t h = g.hidden, D = g.D, H = g.H, KV = g.KV, I = g.I, rep = H / KV, nqkv = (H + 2 * KV) * D;
+  // Scratch kept across calls: fresh buffers this size come from mmap and cost a page fault per 4 KB.
+  thread_local std::vector<float> buf;
+  buf.resize(std::max<size_t>(buf.size(), M * (h + nqkv + H * D + 2 * I)));
+  float* const y = buf.data();
+  float* const qkv = y + M * h;
+  float* const att = qkv + M * nqkv;
+  float* const gu = att + M * H * D;
+  for (int64_t m = 0; m < M; ++m) rms_norm(x + m * h, L.attn_norm, h, g.eps, y + m * h);
+  linear(L.qkv, y, h, M, qkv, nqkv);
+  for (int64_t m = 0; m < M; ++m) {
+    float* row = qkv + m * nqkv;
+    const float* c = cos + pos[m] * D;
+    const float* sn = sin_signed + pos[m] * D;
+    for (int64_t hd = 0; hd < H + KV; ++hd) {
+      float* v = row + hd * D;
+      if (L.q_norm) rms_norm(v, hd < H ? L.q_norm : L.k_norm, D, g.eps, v);
+      rotate(v, c, sn, D);
+    }
+    for (int64_t kv = 0; kv < KV; ++kv) {  // all rows' keys first: later rows of a request attend to them
+      const int64_t at = ((slot[m] * KV + kv) * g.max_len + pos[m]) * D;
+      std::memcpy(L.k_cache + at, row + (H + kv) * D, sizeof(float) * D);
+      std::memcpy(L.v_cache + at, row + (H + KV + kv) * D, sizeof(float) * D);
+    }
+  }
+  at::parallel_for(0, M * KV, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scores;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t m = t / KV, kv = t % KV, len = pos[m] + 1;
+      scores.resize(rep * len);
+      const int64_t base = (slot[m] * KV + kv) * g.max_len * D;
+      attend(qkv + m * nqkv + kv * rep * D, rep, L.k_cache + base, L.v_cache + base, len, D, g.scale,
+             att + m * H * D + kv * rep * D, scores.data());
+    }
+  });
+  linear(L.o, att, H * D, M, y, h);
+  for (int64_t i = 0; i < M * h; ++i) x[i] = x[i] + y[i];
+  for (int64_t m = 0; m < M; ++m) rms_norm(x + m * h, L.mlp_norm, h, g.eps, y + m * h);
+  linear(L.gate_up, y, h, M, gu, 2 * I);
+  for (int64_t m = 0; m < M; ++m) {  // silu(gate) * up, packed into the first I columns of the row
+    float* r = gu + m * 2 * I;
+    for (int64_t i = 0; i < I; ++i) r[i] = r[i] / (1.0f + fast_exp(-r[i])) * r[I + i];
+  }
+  linear(L.down, gu, 2 * I, M, y, h);
+  for (int64_t i = 0; i < M * h; ++i) x[i] = x[i] + y[i];
+}
+
+// decoder_layers(table_ptr, n_layers, x_ptr, M, pos_ptr, slot_ptr, cos_ptr, sin_ptr, n_pos,
+//                hidden, H, KV, D, I, slots, max_len, eps, scale)
+// table: int64 [n_layers, kLayerFields] (LayerDesc::from); x float32 [M, hidden], updated in place;
+// pos / slot int64 [M]; cos / sin float32 [n_pos, D]. kernels.LayerStack builds and keeps alive every tensor
+// these addresses point to.
+PyObject* py_decoder_layers(PyObject*, PyObject* args) {
+  long long tp, nl, xp, M, pp, sp, cp, snp, npos, hidden, H, KV, D, I, slots, max_len;
+  double eps, scale;
+  if (!PyArg_ParseTuple(args, "LLLLLLLLLLLLLLLLdd", &tp, &nl, &xp, &M, &pp, &sp, &cp, &snp, &npos, &hidden, &H,
+                        &KV, &D, &I, &slots, &max_len, &eps, &scale))
+    return nullptr;
+  const StackDims g{hidden, H, KV, D, I, slots, max_len, static_cast<float>(eps), static_cast<float>(scale)};
+  const int64_t* pos = ptr<const int64_t>(pp);
+  const int64_t* slot = ptr<const int64_t>(sp);
+  const char* err = nullptr;
+  if (tp == 0 || nl < 0 || xp == 0 || M < 0 || pp == 0 || sp == 0 || cp == 0 || snp == 0 || hidden <= 0 ||
+      H <= 0 || KV <= 0 || H % KV != 0 || D <= 0 || D % 2 != 0 || D > 512 || I <= 0 || max_len > npos)
+    err = "bad dimensions";
+  for (int64_t m = 0; !err && m < M; ++m)
+    if (pos[m] < 0 || pos[m] >= max_len || slot[m] < 0 || slot[m] >= slots) err = "position or slot out of range";
+  std::vector<LayerDesc> layers;
+  for (int64_t i = 0; !err && i < nl; ++i) {
+    const LayerDesc L = LayerDesc::from(ptr<const int64_t>(tp) + i * kLayerFields);
+    const Lin* lins[4] = {&L.qkv, &L.o, &L.gate_up, &L.down};
+    for (const Lin* l : lins) err = err ? err : check_lin(*l);
+    if (!err && (L.qkv.K != hidden || L.qkv.N != (H + 2 * KV) * D || L.o.K != H * D || L.o.N != hidden ||
+                 L.gate_up.K != hidden || L.gate_up.N != 2 * I || L.down.K != I || L.down.N != hidden ||
+                 !L.attn_norm || !L.mlp_norm || !L.k_cache || !L.v_cache || (!L.q_norm != !L.k_norm)))
+      err = "layer table does not match the dimensions";
+    layers.push_back(L);
+  }
+  if (err) {
+    PyErr_Format(PyExc_ValueError, "decoder_layers: %s", err);
+    return nullptr;
+  }
+  Py_BEGIN_ALLOW_THREADS
+  try {
+    for (const LayerDesc& L : layers)
+      layer_forward(L, g, ptr<float>(xp), M, pos, slot, ptr<const float>(cp), ptr<const float>(snp));
+  } catch (const std::exception&) {
+    err = "kernel failed";
+  }
+  Py_END_ALLOW_THREADS
+  if (err) {
+    PyErr_Format(PyExc_RuntimeError, "decoder_layers: %s", err);
     return nullptr;
   }
   Py_RETURN_NONE;
@@ -1037,9 +1223,8 @@ PyObject* py_isa(PyObject*, PyObject*) {
 PyObject* py_has_avx2(PyObject*, PyObject*) { return PyBool_FromLong(SPECDECODE_AVX2); }
 
 PyMethodDef kMethods[] = {
-    {"rowinv_linear", py_rowinv_linear, METH_VARARGS, "Row-invariant linear on raw CPU pointers"},
-    {"w8a8_linear", py_w8a8_linear, METH_VARARGS, "Row-invariant W8A8 linear on raw CPU pointers"},
-    {"w4a8_linear", py_w4a8_linear, METH_VARARGS, "Row-invariant W4A8 linear on raw CPU pointers"},
+    {"linear", py_linear, METH_VARARGS, "Row-invariant linear on raw CPU pointers"},
+    {"decoder_layers", py_decoder_layers, METH_VARARGS, "Decoder layers for decode / verification rows"},
     {"has_avx2", py_has_avx2, METH_NOARGS, "True if compiled with AVX2/FMA intrinsics"},
     {"isa", py_isa, METH_NOARGS, "Instruction set of the W8A8 path"},
     {nullptr, nullptr, 0, nullptr}};

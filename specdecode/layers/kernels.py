@@ -493,14 +493,69 @@ def rowinv_linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | No
             raise ValueError(f"rowinv_linear: bias has {bias.numel()} elements, expected {N}")
     M, K = x.shape
     y = torch.empty(M, N, dtype=torch.float32)
-    if code == _FMT_CODE["w4a8"]:
-        ext.w4a8_linear(x.data_ptr(), K, wptr, scale.data_ptr(), ldw, K, bias.data_ptr() if bias is not None else 0,
-                        y.data_ptr(), N, M, N)
-        return y
-    if code == _FMT_CODE["w8a8"]:
-        ext.w8a8_linear(x.data_ptr(), K, wptr, ldw, K, scale.data_ptr(), bias.data_ptr() if bias is not None else 0,
-                        y.data_ptr(), N, M, N)
-        return y
-    ext.rowinv_linear(x.data_ptr(), K, wptr, ldw, K, code, scale.data_ptr() if scale is not None else 0,
-                      bias.data_ptr() if bias is not None else 0, y.data_ptr(), N, M, N)
+    ext.linear(code, x.data_ptr(), K, wptr, ldw, K, scale.data_ptr() if scale is not None else 0,
+               bias.data_ptr() if bias is not None else 0, y.data_ptr(), N, M, N)
     return y
+
+
+# ------------------------------------------------------------------------------------------------
+# Decoder layers in one call (decode / verification rows)
+# ------------------------------------------------------------------------------------------------
+_LAYER_FIELDS = 6 + 4 * 7  # cpu_linear.cpp: kLayerFields
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _f32(t: torch.Tensor, what: str) -> torch.Tensor:
+    if t.dtype is not torch.float32 or not t.is_cpu or not t.is_contiguous():
+        raise ValueError(f"LayerStack: {what} must be a contiguous float32 CPU tensor")
+    return t
+
+
+class LayerStack:
+    """The decoder layers of a llama-style model (RMSNorm, rotary, GQA attention, gated SiLU MLP) as one
+    table of addresses for the C++ decode path. Holds a reference to every tensor the table points to.
+
+    ``layers``: per layer a dict with ``attn_norm``, ``mlp_norm``, ``q_norm`` / ``k_norm`` (or None),
+    ``k_cache`` / ``v_cache`` ([slots, KV, max_len, D] float32) and ``qkv`` / ``o`` / ``gate_up`` / ``down``
+    as (PackedLinear, bias or None)."""
+
+    def __init__(self, layers: list[dict], *, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                 intermediate: int, eps: float, scale: float, cos: torch.Tensor, sin_signed: torch.Tensor):
+        keep: list[Any] = [_f32(cos, "cos"), _f32(sin_signed, "sin")]
+        rows = []
+        for L in layers:
+            row = [_ptr(_f32(L["attn_norm"], "attn_norm")), _ptr(_f32(L["mlp_norm"], "mlp_norm")),
+                   *(0 if L[n] is None else _ptr(_f32(L[n], n)) for n in ("q_norm", "k_norm")),
+                   _ptr(_f32(L["k_cache"], "k_cache")), _ptr(_f32(L["v_cache"], "v_cache"))]
+            keep += [L[k] for k in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "k_cache", "v_cache")]
+            for name in ("qkv", "o", "gate_up", "down"):
+                packed, bias = L[name]
+                wptr, ldw, code, scale_t = packed._kernel_args()
+                if bias is not None:
+                    _f32(bias, f"{name} bias")
+                row += [code, wptr, ldw, _ptr(scale_t), _ptr(bias), packed.in_features, packed.out_features]
+                keep += [packed, packed.weight, scale_t, bias]
+            rows.append(row)
+        self.table = torch.tensor(rows, dtype=torch.int64).reshape(len(layers), _LAYER_FIELDS)
+        self._keep = keep
+        cache = layers[0]["k_cache"] if layers else torch.empty(0, 1, 1, 1)
+        self._dims = (cos.data_ptr(), sin_signed.data_ptr(), cos.shape[0], hidden, heads, kv_heads, head_dim,
+                      intermediate, cache.shape[0], cache.shape[2], float(eps), float(scale))
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Runs every layer on x [M, hidden] (float32, updated in place and returned)."""
+        ext = _get_ext()
+        if ext is None:
+            raise RuntimeError("LayerStack needs the compiled kernel")
+        x = _f32(x, "x")
+        positions = positions.to(device="cpu", dtype=torch.int64).contiguous()
+        slots = slots.to(device="cpu", dtype=torch.int64).contiguous()
+        cp, sp, npos, hidden, H, KV, D, I, nslots, max_len, eps, scale = self._dims
+        if x.ndim != 2 or x.shape[1] != hidden or positions.shape != (x.shape[0],) or slots.shape != positions.shape:
+            raise ValueError("LayerStack: x must be [M, hidden] with M positions and slots")
+        ext.decoder_layers(self.table.data_ptr(), self.table.shape[0], x.data_ptr(), x.shape[0], positions.data_ptr(),
+                           slots.data_ptr(), cp, sp, npos, hidden, H, KV, D, I, nslots, max_len, eps, scale)
+        return x

@@ -13,6 +13,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn as nn
 
+from specdecode.layers import kernels
 from specdecode.layers.activation import get_activation
 from specdecode.layers.attention import Attention, ForwardBatch
 from specdecode.layers.linear import Linear, row_invariant
@@ -270,6 +271,9 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(Block(a) for _ in range(a.num_layers))
         self.norm = (RMSNorm if a.norm == "rms" else LayerNorm)(a.hidden_size, a.norm_eps)
         self.lm_head = Linear(a.hidden_size, a.vocab_size, False)
+        # Decode / verification rows run all layers in one C++ call where the model allows it (_layer_stack).
+        self.fused_layers = True
+        self._stack: tuple[tuple, kernels.LayerStack] | None = None
 
     def param_count(self) -> int:
         n = sum(p.numel() for p in self.parameters())
@@ -277,18 +281,54 @@ class CausalLM(nn.Module):
                  if isinstance(m, Linear) and m.weight is None and m.packed is not None)
         return n
 
+    def _layer_stack(self) -> kernels.LayerStack | None:
+        """The layers as one C++ call for decode / verification rows (kernels.LayerStack), or None where that
+        path does not apply: other families, non-CPU or non-float32 models, or no compiled kernel. Rebuilt
+        when the KV cache or the weights are replaced."""
+        a, first = self.args, self.layers[0] if len(self.layers) else None
+        if (not self.fused_layers or first is None or a.norm != "rms" or self.rotary is None or not a.gated_mlp
+                or a.activation not in ("silu", "swish") or self.embed_tokens.weight.dtype != torch.float32
+                or first.attn.k_cache is None or not kernels.kernel_available()):
+            return None
+        key = tuple((id(L.attn.k_cache), id(L.attn.v_cache), id(L.qkv_proj), id(L.gate_up_proj),
+                     id(L.qkv_proj.packed if L.qkv_proj else None)) for L in self.layers)
+        if self._stack is not None and self._stack[0] == key:
+            return self._stack[1]
+        stack = None
+        lins = [(L.qkv_proj, L.o_proj, L.gate_up_proj, L.down_proj) for L in self.layers]
+        if (all(m is not None and m.packed is not None and m.packed.device.type == "cpu" for ls in lins for m in ls)
+                and all(L.attn.k_cache.dtype == torch.float32 and L.attn.k_cache.is_cpu for L in self.layers)
+                and self.rotary.cos.shape[0] >= first.attn.k_cache.shape[2]
+                and all(t.dtype == torch.float32 for L in self.layers for t in (L.attn_norm.weight, L.mlp_norm.weight))):
+            stack = kernels.LayerStack(
+                [dict(attn_norm=L.attn_norm.weight, mlp_norm=L.mlp_norm.weight,
+                      q_norm=L.q_norm.weight if a.qk_norm else None, k_norm=L.k_norm.weight if a.qk_norm else None,
+                      k_cache=L.attn.k_cache, v_cache=L.attn.v_cache,
+                      qkv=(L.qkv_proj.packed, L.qkv_proj.bias), o=(L.o_proj.packed, L.o_proj.bias),
+                      gate_up=(L.gate_up_proj.packed, L.gate_up_proj.bias),
+                      down=(L.down_proj.packed, L.down_proj.bias)) for L in self.layers],
+                hidden=a.hidden_size, heads=a.num_heads, kv_heads=a.num_kv_heads, head_dim=a.head_dim,
+                intermediate=a.intermediate_size, eps=a.norm_eps, scale=a.head_dim ** -0.5,
+                cos=self.rotary.cos, sin_signed=self.rotary.sin_signed)
+        self._stack = (key, stack)
+        return stack
+
     @torch.inference_mode()
     def forward(self, b: ForwardBatch) -> torch.Tensor:
         """Returns logits [len(b.logits_rows), vocab] in float32."""
         with row_invariant(not b.prefill):
             x = self.embed_tokens(b.input_ids)
-            if self.rotary is None:
-                x = x + self.embed_positions(b.positions + self.args.position_offset)
-                rope = None
+            stack = None if b.prefill else self._layer_stack()
+            if stack is not None:
+                x = stack(x.contiguous(), b.positions, b.slots)
             else:
-                rope = self.rotary.table(b.positions, x.dtype)
-            for layer in self.layers:
-                x = layer(x, b, rope)
+                if self.rotary is None:
+                    x = x + self.embed_positions(b.positions + self.args.position_offset)
+                    rope = None
+                else:
+                    rope = self.rotary.table(b.positions, x.dtype)
+                for layer in self.layers:
+                    x = layer(x, b, rope)
             x = self.norm(x[b.logits_rows])
             # The logits row is always computed by the row-invariant path, also after prefill.
             with row_invariant(True):

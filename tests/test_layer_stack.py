@@ -1,0 +1,98 @@
+"""The C++ decoder-layer stack (kernels.LayerStack) that decode and verification rows take for llama-style
+models: it computes what the Python layers compute, and a row's logits never depend on the other rows, the
+row count or the thread count (the basis of greedy exactness)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.engine.model_runner import ModelRunner
+from specdecode.layers import kernels
+from specdecode.models.loader import load_model
+
+STACK_FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def _runner(path, quantization=None) -> ModelRunner:
+    return ModelRunner(load_model(path, "float32", "cpu", 128, quantization), 3, 128, "cpu")
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(5, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_stack_applies_to_llama_style_models_only(tiny_models):
+    for fam, path in tiny_models.items():
+        r = _runner(path)
+        assert (r.model._layer_stack() is not None) == (fam in STACK_FAMILIES), fam
+    r = _runner(tiny_models["llama"])
+    r.model.fused_layers = False
+    assert r.model._layer_stack() is None
+
+
+@pytest.mark.parametrize("quantization", [None, "int8", "w8a8", "w4a8"])
+@pytest.mark.parametrize("fam", STACK_FAMILIES)
+def test_stack_matches_python_layers(fam, quantization, tiny_models):
+    """Verification rows over a cached prefix: the stack against the Python layers, same weights."""
+    ids = _prompt(30, 1)
+    out = {}
+    for fused in (True, False):
+        r = _runner(tiny_models[fam], quantization)
+        r.model.fused_layers = fused
+        r.prefill(0, ids[:20])
+        out[fused] = r.forward_rows([(0, 20, ids[20:])], all_logits=True)[0]
+    # Quantized activations can round one step apart when the inputs differ in the last bits.
+    tol = 1e-4 if quantization in (None, "int8") else 5e-2
+    diff = (out[True] - out[False]).abs().max().item()
+    assert diff < tol, f"{fam} {quantization}: max abs diff {diff:.2e}"
+    assert out[True].std().item() > 0.1
+    assert torch.equal(out[True].argmax(-1), out[False].argmax(-1))
+
+
+@pytest.mark.parametrize("quantization", [None, "w8a8", "w4a8"])
+def test_stack_rows_are_invariant(quantization, tiny_models):
+    """One request's rows decoded one at a time, verified together, and verified next to other requests'
+    rows on another thread count: bitwise the same logits and KV cache."""
+    ids, other = _prompt(24, 2), _prompt(40, 3)
+
+    def run(mode: str, threads: int):
+        prev = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            r = _runner(tiny_models["qwen2"], quantization)
+            assert r.model._layer_stack() is not None
+            r.prefill(1, ids[:16])
+            r.prefill(2, other[:30])
+            if mode == "one by one":
+                rows = torch.cat([r.forward_rows([(1, 16 + i, [t])], all_logits=True)[0]
+                                  for i, t in enumerate(ids[16:])])
+            elif mode == "together":
+                rows = r.forward_rows([(1, 16, ids[16:])], all_logits=True)[0]
+            else:  # between another request's rows
+                rows = r.forward_rows([(2, 30, other[30:34]), (1, 16, ids[16:]), (2, 34, other[34:36])],
+                                      all_logits=True)[1]
+            kv = [(L.attn.k_cache[1, :, :24].clone(), L.attn.v_cache[1, :, :24].clone()) for L in r.model.layers]
+            return rows, kv
+        finally:
+            torch.set_num_threads(prev)
+
+    ref_rows, ref_kv = run("one by one", 1)
+    for mode, threads in (("together", 1), ("mixed", 2), ("together", 2)):
+        rows, kv = run(mode, threads)
+        assert torch.equal(rows, ref_rows), f"{mode} on {threads} threads"
+        assert all(torch.equal(a, b) and torch.equal(c, d) for (a, c), (b, d) in zip(kv, ref_kv)), mode
+
+
+def test_stack_rejects_bad_input(tiny_models):
+    r = _runner(tiny_models["llama"])
+    stack = r.model._layer_stack()
+    x = torch.zeros(2, r.model.args.hidden_size)
+    with pytest.raises(ValueError, match="position or slot out of range"):
+        stack(x, torch.tensor([0, 128]), torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match="position or slot out of range"):
+        stack(x, torch.tensor([0, 1]), torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match=r"\[M, hidden\]"):
+        stack(torch.zeros(2, 3), torch.tensor([0, 1]), torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match="float32"):
+        stack(x.double(), torch.tensor([0, 1]), torch.tensor([0, 0]))
+    assert kernels.kernel_available()
