@@ -51,15 +51,10 @@ constexpr int64_t kL2Budget = 192 * 1024;  // bytes of weights per channel block
 #ifndef SPECDECODE_PF_LOCALITY
 #define SPECDECODE_PF_LOCALITY 3
 #endif
-#ifndef SPECDECODE_BOTH_R
-#define SPECDECODE_BOTH_R 6
-#endif
-#ifndef SPECDECODE_W4_PFD
-#define SPECDECODE_W4_PFD 16
-#endif
-#ifndef SPECDECODE_W8_PFD
-#define SPECDECODE_W8_PFD 4
-#endif
+// How far ahead (in K blocks) the AVX2 integer kernels prefetch their weight stream: the hardware
+// prefetcher alone leaves the 2-row+ tiles waiting on memory.
+constexpr int64_t kW8PrefetchBlocks = 4;
+constexpr int64_t kW4PrefetchBlocks = 16;
 constexpr bool kPrefetch = SPECDECODE_PREFETCH;  // software prefetch of the next weight tile
 
 static inline void prefetch(const char* p) { __builtin_prefetch(p, 0, SPECDECODE_PF_LOCALITY); }
@@ -339,11 +334,7 @@ struct FpEnvGuard {
 #endif
 
 // Rows per register tile for `rem` remaining rows (at most 6).
-#ifndef SPECDECODE_MAXR
-#define SPECDECODE_MAXR 6
-#endif
 static inline int next_rows(int64_t rem) {
-  if (SPECDECODE_MAXR == 4 && rem <= 8) return rem <= 4 ? static_cast<int>(rem) : rem == 5 ? 3 : rem == 6 ? 3 : 4;
   if (rem <= 6) return static_cast<int>(rem);
   if (rem <= 8) return 4;  // 7 -> 4+3, 8 -> 4+4
   return 6;
@@ -468,22 +459,6 @@ static inline int32_t load4(const int8_t* p) {
 // The integer formats share their tiling: TILE<R, C> computes R rows x C groups of 16 channels.
 template <typename A>
 using GroupTile = void (*)(const A&, int64_t, int64_t);
-template <typename A>
-using HalfGroup = void (*)(const A&, int64_t, int64_t, int);
-
-// AVX2: a group of 16 channels as two halves of 8, both at once for up to 3 rows, else one at a time (the
-// accumulators stay within 16 registers).
-template <typename A, int R, int C, HalfGroup<A> Both, HalfGroup<A> One>
-static inline void tile_by_halves(const A& a, int64_t m0, int64_t g0) {
-  for (int c = 0; c < C; ++c) {
-    if (R <= SPECDECODE_BOTH_R) {
-      Both(a, m0, g0 + c, 0);
-    } else {
-      One(a, m0, g0 + c, 0);
-      One(a, m0, g0 + c, 1);
-    }
-  }
-}
 
 // Groups [g0, g1) of rows [m0, m0 + R): tiles of C groups, then single groups.
 template <typename A, int R, int C, GroupTile<A> Wide, GroupTile<A> Single>
@@ -558,21 +533,23 @@ static inline void w8a8_tile(const W8Args& a, int64_t m0, int64_t g0) {
 constexpr int w8a8_width(int R) { return R <= 3 ? 4 : 2; }
 
 #elif SPECDECODE_AVX2
-// R rows x one group of 16 channels, as H halves of 8 channels (H = 2: both halves at once).
-template <int R, int H>
-static inline void w8a8_group(const W8Args& a, int64_t m0, int64_t g, int h0) {
+// R rows x one group of 16 channels, as two halves of 8 held at once: each activation broadcast then feeds
+// 16 channels. Beyond 3 rows some accumulators spill to L1, which measured cheaper than a second pass.
+template <int R>
+static inline void w8a8_group(const W8Args& a, int64_t m0, int64_t g) {
+  constexpr int H = 2;
   __m256 acc[R][H];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
     for (int h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_ps();
-  const uint8_t* wg = a.group(g) + 32 * h0;
+  const uint8_t* wg = a.group(g);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < a.nblocks; ++b) {
-    if (SPECDECODE_W8_PFD > 0 && (H == 2 || h0 == 0)) {
+    {
 #pragma GCC unroll 8
-      for (int l = 0; l < 8; ++l) prefetch(reinterpret_cast<const char*>(wg + (b + SPECDECODE_W8_PFD) * 512 + 64 * l));
+      for (int l = 0; l < 8; ++l) prefetch(reinterpret_cast<const char*>(wg + (b + kW8PrefetchBlocks) * 512 + 64 * l));
     }
     __m256i t[R][H];
 #pragma GCC unroll 8
@@ -607,7 +584,7 @@ static inline void w8a8_group(const W8Args& a, int64_t m0, int64_t g, int h0) {
   }
 #pragma GCC unroll 2
   for (int h = 0; h < H; ++h) {
-    const int64_t n0 = g * kGroup + 8 * (h0 + h);
+    const int64_t n0 = g * kGroup + 8 * h;
     alignas(32) float out[R][8];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) _mm256_store_ps(out[r], acc[r][h]);
@@ -622,7 +599,7 @@ static inline void w8a8_group(const W8Args& a, int64_t m0, int64_t g, int h0) {
 }
 template <int R, int C>
 static inline void w8a8_tile(const W8Args& a, int64_t m0, int64_t g0) {
-  tile_by_halves<W8Args, R, C, w8a8_group<R, 2>, w8a8_group<R, 1>>(a, m0, g0);
+  for (int c = 0; c < C; ++c) w8a8_group<R>(a, m0, g0 + c);
 }
 constexpr int w8a8_width(int) { return 1; }
 
@@ -805,25 +782,26 @@ static inline void w4a8_tile(const W4Args& a, int64_t m0, int64_t g0) {
 constexpr int w4a8_width(int R) { return R <= 2 ? 4 : 2; }
 
 #elif SPECDECODE_AVX2
-// R rows x one group of 16 channels, as H halves of 8 channels. Products of a nibble (<= 15) and an
+// R rows x one group of 16 channels, as two halves of 8 held at once. Products of a nibble (<= 15) and an
 // activation byte (|q| <= 127) summed in pairs are at most 3810 in magnitude, so a block's 8 pair sums
 // per lane fit int16 exactly (<= 30480) and are widened once per block.
-template <int R, int H>
-static inline void w4a8_group(const W4Args& a, int64_t m0, int64_t g, int h0) {
+template <int R>
+static inline void w4a8_group(const W4Args& a, int64_t m0, int64_t g) {
+  constexpr int H = 2;
   __m256 acc[R][H];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
     for (int h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_ps();
-  const uint8_t* wg = a.group(g) + 32 * h0;
-  const uint16_t* sg = a.scales(g) + 8 * h0;
+  const uint8_t* wg = a.group(g);
+  const uint16_t* sg = a.scales(g);
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < a.nblocks; ++b) {
-    if (SPECDECODE_W4_PFD > 0 && (H == 2 || h0 == 0)) {
+    {
 #pragma GCC unroll 4
-      for (int l = 0; l < 4; ++l) prefetch(reinterpret_cast<const char*>(wg + (b + SPECDECODE_W4_PFD) * 256 + 64 * l));
-      if ((b & 1) == 0) prefetch(reinterpret_cast<const char*>(sg + (b + SPECDECODE_W4_PFD) * kGroup));
+      for (int l = 0; l < 4; ++l) prefetch(reinterpret_cast<const char*>(wg + (b + kW4PrefetchBlocks) * 256 + 64 * l));
+      if ((b & 1) == 0) prefetch(reinterpret_cast<const char*>(sg + (b + kW4PrefetchBlocks) * kGroup));
     }
     __m256i t[R][H];
 #pragma GCC unroll 8
@@ -877,13 +855,13 @@ static inline void w4a8_group(const W4Args& a, int64_t m0, int64_t g, int h0) {
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       _mm256_store_ps(out, acc[r][h]);
-      w4a8_store(a, m0 + r, g * kGroup + 8 * (h0 + h), out, 8);
+      w4a8_store(a, m0 + r, g * kGroup + 8 * h, out, 8);
     }
   }
 }
 template <int R, int C>
 static inline void w4a8_tile(const W4Args& a, int64_t m0, int64_t g0) {
-  tile_by_halves<W4Args, R, C, w4a8_group<R, 2>, w4a8_group<R, 1>>(a, m0, g0);
+  for (int c = 0; c < C; ++c) w4a8_group<R>(a, m0, g0 + c);
 }
 constexpr int w4a8_width(int) { return 1; }
 
