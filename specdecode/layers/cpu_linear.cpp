@@ -1073,31 +1073,56 @@ static void rotate(float* x, const float* cos, const float* sin_signed, int64_t 
   std::memcpy(x, t, sizeof(float) * D);
 }
 
-// rep query heads q [rep, D] (sharing one KV head) over keys / values [len, D]: out [rep, D].
-static void attend(const float* q, int64_t rep, const float* keys, const float* vals, int64_t len, int64_t D,
-                   float scale, float* out, float* scores) {
-  for (int64_t r = 0; r < rep; ++r) {
-    float* s = scores + r * len;
-    for (int64_t j = 0; j < len; ++j) s[j] = dot(q + r * D, keys + j * D, D) * scale;
+// One KV head against the rows [m0, m1) of one request (one cache slot, increasing positions), each row
+// with its rep query heads: row m attends to keys [0, pos[m]]. Every key and value is read once for all of
+// those rows: a verification pass over k + 1 rows then streams the request's KV cache once, not k + 1 times.
+// Each row's scores, softmax and weighted sum are still formed in the order they would be alone, so its
+// output does not depend on which rows share the call.
+static void attend_rows(const float* qkv, int64_t nqkv, const int64_t* pos, int64_t m0, int64_t m1, int64_t kv,
+                        int64_t rep, const float* keys, const float* vals, int64_t D, float scale, float* att,
+                        int64_t ld_att, std::vector<float>& scores) {
+  const int64_t n = (m1 - m0) * rep;
+  int64_t len = 0;
+  for (int64_t m = m0; m < m1; ++m) len = std::max(len, pos[m] + 1);
+  scores.resize(n * len + n);
+  float* const total = scores.data() + n * len;
+  auto query = [&](int64_t i) { return qkv + (m0 + i / rep) * nqkv + (kv * rep + i % rep) * D; };
+  auto out = [&](int64_t i) { return att + (m0 + i / rep) * ld_att + (kv * rep + i % rep) * D; };
+  auto sees = [&](int64_t i, int64_t j) { return j <= pos[m0 + i / rep]; };
+  for (int64_t j = 0; j < len; ++j) {
+    const float* key = keys + j * D;
+    for (int64_t i = 0; i < n; ++i)
+      if (sees(i, j)) scores[i * len + j] = dot(query(i), key, D) * scale;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    float* s = scores.data() + i * len;
+    const int64_t li = pos[m0 + i / rep] + 1;
     float mx = s[0];
-    for (int64_t j = 1; j < len; ++j) mx = std::max(mx, s[j]);
-    for (int64_t j = 0; j < len; ++j) s[j] = fast_exp(s[j] - mx);
-    float* o = out + r * D;
-    std::fill(o, o + D, 0.0f);
-    float total = 0.0f;
-    for (int64_t j = 0; j < len; ++j) {
-      total += s[j];
-      const float e = s[j];
-      const float* v = vals + j * D;
+    for (int64_t j = 1; j < li; ++j) mx = std::max(mx, s[j]);
+    for (int64_t j = 0; j < li; ++j) s[j] = fast_exp(s[j] - mx);
+    std::fill(out(i), out(i) + D, 0.0f);
+    total[i] = 0.0f;
+  }
+  for (int64_t j = 0; j < len; ++j) {
+    const float* v = vals + j * D;
+    for (int64_t i = 0; i < n; ++i) {
+      if (!sees(i, j)) continue;
+      const float e = scores[i * len + j];
+      total[i] += e;
+      float* o = out(i);
       for (int64_t d = 0; d < D; ++d) o[d] += e * v[d];
     }
-    for (int64_t d = 0; d < D; ++d) o[d] = o[d] / total;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    float* o = out(i);
+    for (int64_t d = 0; d < D; ++d) o[d] = o[d] / total[i];
   }
 }
 
 static void layer_forward(const LayerDesc& L, const StackDims& g, float* x, int64_t M, const int64_t* pos,
                           const int64_t* slot, const float* cos, const float* sin_signed) {
   const int64_t h = g.hidden, D = g.D, H = g.H, KV = g.KV, I = g.I, rep = H / KV, nqkv = (H + 2 * KV) * D;
+  if (M == 0) return;
   // Scratch kept across calls: fresh buffers this size come from mmap and cost a page fault per 4 KB.
   thread_local std::vector<float> buf;
   buf.resize(std::max<size_t>(buf.size(), M * (h + nqkv + H * D + 2 * I)));
@@ -1122,14 +1147,19 @@ static void layer_forward(const LayerDesc& L, const StackDims& g, float* x, int6
       std::memcpy(L.v_cache + at, row + (H + KV + kv) * D, sizeof(float) * D);
     }
   }
-  at::parallel_for(0, M * KV, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores;
+  // Attention tasks: each stretch of rows of one request (same slot, increasing positions) x KV head.
+  std::vector<int64_t> runs{0};
+  for (int64_t m = 1; m < M; ++m)
+    if (slot[m] != slot[m - 1] || pos[m] <= pos[m - 1]) runs.push_back(m);
+  runs.push_back(M);
+  const int64_t nruns = static_cast<int64_t>(runs.size()) - 1;
+  at::parallel_for(0, nruns * KV, 1, [&](int64_t t0, int64_t t1) {
+    thread_local std::vector<float> scores;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t m = t / KV, kv = t % KV, len = pos[m] + 1;
-      scores.resize(rep * len);
-      const int64_t base = (slot[m] * KV + kv) * g.max_len * D;
-      attend(qkv + m * nqkv + kv * rep * D, rep, L.k_cache + base, L.v_cache + base, len, D, g.scale,
-             att + m * H * D + kv * rep * D, scores.data());
+      const int64_t r = t / KV, kv = t % KV, m0 = runs[r];
+      const int64_t base = (slot[m0] * KV + kv) * g.max_len * D;
+      attend_rows(qkv, nqkv, pos, m0, runs[r + 1], kv, rep, L.k_cache + base, L.v_cache + base, D, g.scale, att,
+                  H * D, scores);
     }
   });
   linear(L.o, att, H * D, M, y, h);
