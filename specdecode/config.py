@@ -137,6 +137,7 @@ class EngineConfig:
     device: str = "auto"
     num_threads: int | None = None
     max_waiting_requests: int = 256
+    compile: bool = False  # torch.compile the decode / verification layers where they run in Python
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
@@ -153,6 +154,8 @@ class EngineConfig:
             raise _err(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}.")
         if self.num_threads is not None and self.num_threads < 1:
             raise _err(f"num_threads must be >= 1, got {self.num_threads!r}.")
+        if not isinstance(self.compile, bool):
+            raise _err(f"compile must be True or False, got {self.compile!r}.")
         if self.device == "auto":
             import torch
             self.device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -86,6 +86,7 @@ class BenchSettings:
     draft_p_min: float = 0.0          # draft configs stop drafting below this top probability
     draft_vocab_size: int | None = None  # draft configs: truncated draft LM head
     draft_quantization: str | None = None  # draft configs: the draft's weight format (None: the target's)
+    compile: bool = False             # torch.compile the decode / verification layers (EngineConfig.compile)
 
 
 @dataclass
@@ -303,7 +304,7 @@ class BenchRunner:
         s = self.s
         need_draft = "draft" in s.methods or "hybrid" in s.methods
         kw = dict(model=s.model, max_num_seqs=1, dtype=s.dtype, quantization=s.quantization, seed=s.seed,
-                  num_threads=s.num_threads, max_model_len=s.max_model_len)
+                  num_threads=s.num_threads, max_model_len=s.max_model_len, compile=s.compile)
         kmax = max(s.ks) if s.ks else 1
         from specdecode.config import default_lookup_min
         ngram_min = s.ngram_min or default_lookup_min(False, s.ngram_max)

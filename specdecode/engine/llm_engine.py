@@ -59,6 +59,10 @@ class LLMEngine:
                                                target.model.args.vocab_size, spec.draft_p_min, keep,
                                                ngram_first=((spec.prompt_lookup_min, spec.prompt_lookup_max)
                                                             if spec.ngram_first else None))
+        if c.compile:
+            for runner in (self.target, getattr(self.proposer, "runner", None)):
+                if runner is not None:
+                    runner.model.compile_decode()
         self.load_time = time.perf_counter() - t0
         self.scheduler = Scheduler(c.max_num_seqs, c.max_waiting_requests)
         self.spec_stats = SpecDecodeStats()

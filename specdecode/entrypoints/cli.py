@@ -154,6 +154,9 @@ def _add_model_flags(p: argparse.ArgumentParser, draft_help: str, with_k: bool =
                    help="the draft model's weight format (default: the same as -q); a draft's precision only "
                         "changes how often its tokens are accepted, never the output")
     e.add_argument("-s", "--seed", type=int, default=0, help="random seed (default 0)")
+    e.add_argument("--compile", action="store_true",
+                   help="torch.compile the decode / verification layers where they run in Python (GPU, or model "
+                        "families without the fused CPU layer stack); compiles on first use")
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser, n_default: int) -> None:
@@ -214,7 +217,7 @@ def _engine_kwargs(args, k: int | None) -> dict:
     if model is not None:
         model = _resolve_user_path(model, "target")
     kw = dict(model=model, max_num_seqs=1, dtype=args.dtype, quantization=args.quantization, seed=args.seed,
-              num_threads=args.threads, max_model_len=args.max_model_len)
+              num_threads=args.threads, max_model_len=args.max_model_len, compile=args.compile)
     draft = _draft_choice(args.model, args.model_draft)
     if draft is not None and k:
         if draft not in ("default", "[ngram]"):
@@ -526,7 +529,7 @@ def cmd_bench(args) -> int:
         ngram_max=args.ngram_max, dtype=args.dtype, quantization=args.quantization, num_threads=args.threads,
         max_model_len=args.max_model_len, warmup=not args.no_warmup, progress=not args.no_progress,
         adaptive=args.adaptive, draft_p_min=args.draft_p_min, draft_vocab_size=args.draft_vocab_size,
-        draft_quantization=args.quantization_draft)
+        draft_quantization=args.quantization_draft, compile=args.compile)
     from specdecode.sampling_params import SamplingParams
     SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)  # validate early
     runner = BenchRunner(settings)
@@ -555,7 +558,8 @@ def _bench_verify_cost(args) -> int:
     model = _resolve_user_path(args.model, "target") if args.model is not None else None
     from specdecode.engine.llm_engine import LLMEngine
     engine = LLMEngine.from_kwargs(model=model, max_num_seqs=1, dtype=args.dtype, quantization=args.quantization,
-                                   seed=args.seed, num_threads=args.threads, max_model_len=args.max_model_len)
+                                   seed=args.seed, num_threads=args.threads, max_model_len=args.max_model_len,
+                                   compile=args.compile)
     rows = verify_cost(engine, sizes, args.prefill, args.repeats)
     print(f"target: {engine.model_path}")
     print(format_verify_cost(rows, args.prefill))

@@ -504,6 +504,21 @@ def rowinv_linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | No
 _LAYER_FIELDS = 6 + 4 * 7  # cpu_linear.cpp: kLayerFields
 
 
+# rowinv_linear as an opaque op, so that torch.compile keeps it in the graph (a plain C extension call
+# would break the graph at every linear) and fuses only what lies between the linears. It takes the packed
+# weight's tensors, not the PackedLinear: graph inputs, so every layer shares one graph.
+@torch.library.custom_op("specdecode::rowinv_linear", mutates_args=())
+def rowinv_linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+                     fmt: str, out_features: int) -> torch.Tensor:
+    return rowinv_linear(x, PackedLinear(fmt, weight, scale, x.shape[1], out_features), bias)
+
+
+@rowinv_linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, fmt: str,
+      out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features, dtype=torch.float32)
+
+
 def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 

@@ -78,6 +78,12 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.device.type == "cpu":
+            if torch.compiler.is_compiling():  # CausalLM.compile_decode: only decode / verify rows get here
+                shape = x.shape
+                p = self.packed
+                out = torch.ops.specdecode.rowinv_linear(x.reshape(-1, shape[-1]).float().contiguous(), p.weight,
+                                                         p.scale, self.bias, p.fmt, self.out_features)
+                return out.reshape(*shape[:-1], self.out_features)
             if getattr(_state, "on", False) or self.weight is None:
                 shape = x.shape
                 out = kernels.rowinv_linear(x.reshape(-1, shape[-1]).float().contiguous(), self.packed, self.bias)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
+import torch.fx.experimental._config as fx_config  # backed_size_oblivious (compile_decode)
 import torch.nn as nn
 
 from specdecode.layers import kernels
@@ -192,6 +193,13 @@ def family_of(hf_config: dict) -> str:
                      f"Supported architectures: {', '.join(sorted(ARCHITECTURES))}.")
 
 
+def _rows_dynamic(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Mark the row dimension (only that one) as dynamic for torch.compile: one graph for any row count."""
+    for t in ts:
+        torch._dynamo.mark_dynamic(t, 0)
+    return ts
+
+
 class Block(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
@@ -243,10 +251,16 @@ class Block(nn.Module):
         return q, k, v
 
     def forward(self, x: torch.Tensor, b: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        return self.after_attention(x, self.attn(*self.before_attention(x, rope), b))
+
+    # The layer in two pieces around the attention call, which reads the cache per request and stays eager;
+    # CausalLM.compile_decode compiles these two.
+    def before_attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None):
+        return self._qkv(self.attn_norm(x), rope)
+
+    def after_attention(self, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
         a = self.a
-        y = self.attn_norm(x)
-        q, k, v = self._qkv(y, rope)
-        x = x + self.o_proj(self.attn(q, k, v, b))
+        x = x + self.o_proj(att)
         y = self.mlp_norm(x)
         if a.gated_mlp:
             gate, up = self.gate_up_proj(y).chunk(2, dim=-1)
@@ -274,6 +288,7 @@ class CausalLM(nn.Module):
         # Decode / verification rows run all layers in one C++ call where the model allows it (_layer_stack).
         self.fused_layers = True
         self._stack: tuple[tuple, kernels.LayerStack] | None = None
+        self._compiled: tuple | None = None  # compile_decode()
 
     def param_count(self) -> int:
         n = sum(p.numel() for p in self.parameters())
@@ -313,6 +328,13 @@ class CausalLM(nn.Module):
         self._stack = (key, stack)
         return stack
 
+    def compile_decode(self) -> None:
+        """torch.compile the layers for decode / verification rows where they run in Python (CUDA, or a
+        model the C++ stack does not cover): each layer is compiled in two pieces around its attention call,
+        with dynamic row counts, and the CPU linears stay opaque calls of the row-invariant kernel
+        (kernels.rowinv_linear_op). Prefill stays eager."""
+        self._compiled = (torch.compile(Block.before_attention), torch.compile(Block.after_attention))
+
     @torch.inference_mode()
     def forward(self, b: ForwardBatch) -> torch.Tensor:
         """Returns logits [len(b.logits_rows), vocab] in float32."""
@@ -327,8 +349,19 @@ class CausalLM(nn.Module):
                     rope = None
                 else:
                     rope = self.rotary.table(b.positions, x.dtype)
-                for layer in self.layers:
-                    x = layer(x, b, rope)
+                if self._compiled is not None and not b.prefill:
+                    before, after = self._compiled
+                    # Size-1 inputs would otherwise get a graph of their own, which could round differently
+                    # from the multi-row one; one graph for every row count keeps decode and verification
+                    # rows identical.
+                    with fx_config.patch(backed_size_oblivious=True):
+                        _rows_dynamic(*(rope or ()))
+                        for layer in self.layers:
+                            att = layer.attn(*before(layer, _rows_dynamic(x)[0], rope), b)
+                            x = after(layer, x, _rows_dynamic(att)[0])
+                else:
+                    for layer in self.layers:
+                        x = layer(x, b, rope)
             x = self.norm(x[b.logits_rows])
             # The logits row is always computed by the row-invariant path, also after prefill.
             with row_invariant(True):

@@ -608,6 +608,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
     e.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES)
     e.add_argument("--seed", type=int, default=None, metavar="N")
+    e.add_argument("--compile", action="store_true", default=None,
+                   help="torch.compile the decode / verification layers where they run in Python.")
     e.add_argument("--max-waiting-requests", type=int, default=None, metavar="N",
                    help="Waiting-queue limit; requests beyond it get HTTP 503.")
     s = parser.add_argument_group("speculative decoding")
@@ -629,7 +631,7 @@ def engine_kwargs_from_args(args: argparse.Namespace, model: str | None) -> dict
     kw: dict[str, Any] = {"model": model}
     for name in ("max_num_seqs", "max_model_len", "dtype", "quantization", "seed", "max_waiting_requests",
                  "speculative_model", "num_speculative_tokens", "speculative_disable_by_batch_size",
-                 "speculative_model_quantization",
+                 "speculative_model_quantization", "compile",
                  "ngram_prompt_lookup_max", "ngram_prompt_lookup_min"):
         v = getattr(args, name, None)
         if v is not None:
