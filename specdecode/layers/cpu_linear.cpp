@@ -1073,49 +1073,111 @@ static void rotate(float* x, const float* cos, const float* sin_signed, int64_t 
   std::memcpy(x, t, sizeof(float) * D);
 }
 
+// Attention of decode / verification rows. Every score is q . k summed over d = 0..D-1 in order, every
+// output element sum_j p_j * v_j[d] in key order, and the softmax total in key order: one rounding per
+// multiply and per add (the file is built with -ffp-contract=off), so a row's result does not depend on
+// which other queries or keys share a tile, nor on the vector width the compiler picks.
+constexpr int64_t kKeyTile = 16;
+
+// acc[a][jj] = sum_d q[a][d] * kt[d][jj] for NQ queries against one transposed tile of kKeyTile keys: the
+// NQ x kKeyTile independent sums keep the vector units busy where one dot product at a time would wait on
+// its own additions.
+template <int NQ>
+static inline void score_tile(const float* const* q, const float* kt, int64_t D, float scale, int64_t jt,
+                              float* const* out) {
+  float acc[NQ][kKeyTile] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    const float* k = kt + d * kKeyTile;
+    for (int a = 0; a < NQ; ++a) {
+      const float qa = q[a][d];
+      for (int64_t jj = 0; jj < kKeyTile; ++jj) acc[a][jj] += qa * k[jj];
+    }
+  }
+  for (int a = 0; a < NQ; ++a)
+    for (int64_t jj = 0; jj < jt; ++jj) out[a][jj] = acc[a][jj] * scale;
+}
+
+// o[a][d] = sum_j p[a][j] * v_j[d] over keys [0, li) (the same li for all NQ queries: the heads of one row),
+// then divided by each query's total; DT = D known at compile time keeps the sums in registers.
+template <int DT, int NQ>
+static inline void weighted_sum(const float* const* p, int64_t li, const float* vals, const float* total,
+                                float* const* o) {
+  float acc[NQ][DT] = {};
+  for (int64_t j = 0; j < li; ++j) {
+    const float* v = vals + j * DT;
+    for (int a = 0; a < NQ; ++a) {
+      const float e = p[a][j];
+      for (int64_t d = 0; d < DT; ++d) acc[a][d] += e * v[d];
+    }
+  }
+  for (int a = 0; a < NQ; ++a)
+    for (int64_t d = 0; d < DT; ++d) o[a][d] = acc[a][d] / total[a];
+}
+
+static void weighted_sum_any(const float* p, int64_t li, const float* vals, int64_t D, float total, float* o) {
+  std::fill(o, o + D, 0.0f);
+  for (int64_t j = 0; j < li; ++j)
+    for (int64_t d = 0; d < D; ++d) o[d] += p[j] * vals[j * D + d];
+  for (int64_t d = 0; d < D; ++d) o[d] = o[d] / total;
+}
+
 // One KV head against the rows [m0, m1) of one request (one cache slot, increasing positions), each row
-// with its rep query heads: row m attends to keys [0, pos[m]]. Every key and value is read once for all of
-// those rows: a verification pass over k + 1 rows then streams the request's KV cache once, not k + 1 times.
-// Each row's scores, softmax and weighted sum are still formed in the order they would be alone, so its
-// output does not depend on which rows share the call.
+// with its rep query heads: row m attends to keys [0, pos[m]]. Keys and values are read once for all of
+// those rows, so a verification pass over k + 1 rows streams the request's KV cache once, not k + 1 times.
 static void attend_rows(const float* qkv, int64_t nqkv, const int64_t* pos, int64_t m0, int64_t m1, int64_t kv,
                         int64_t rep, const float* keys, const float* vals, int64_t D, float scale, float* att,
-                        int64_t ld_att, std::vector<float>& scores) {
+                        int64_t ld_att, std::vector<float>& scratch) {
   const int64_t n = (m1 - m0) * rep;
   int64_t len = 0;
   for (int64_t m = m0; m < m1; ++m) len = std::max(len, pos[m] + 1);
-  scores.resize(n * len + n);
-  float* const total = scores.data() + n * len;
-  auto query = [&](int64_t i) { return qkv + (m0 + i / rep) * nqkv + (kv * rep + i % rep) * D; };
-  auto out = [&](int64_t i) { return att + (m0 + i / rep) * ld_att + (kv * rep + i % rep) * D; };
-  auto sees = [&](int64_t i, int64_t j) { return j <= pos[m0 + i / rep]; };
-  for (int64_t j = 0; j < len; ++j) {
-    const float* key = keys + j * D;
-    for (int64_t i = 0; i < n; ++i)
-      if (sees(i, j)) scores[i * len + j] = dot(query(i), key, D) * scale;
-  }
+  const int64_t ld = (len + kKeyTile - 1) / kKeyTile * kKeyTile;
+  scratch.resize(n * ld + n + D * kKeyTile);
+  float* const scores = scratch.data();
+  float* const total = scores + n * ld;
+  float* const kt = total + n;
+  std::vector<const float*> q(n);
+  std::vector<float*> srow(n), orow(n);
+  std::vector<int64_t> lens(n);
   for (int64_t i = 0; i < n; ++i) {
-    float* s = scores.data() + i * len;
-    const int64_t li = pos[m0 + i / rep] + 1;
+    q[i] = qkv + (m0 + i / rep) * nqkv + (kv * rep + i % rep) * D;
+    orow[i] = att + (m0 + i / rep) * ld_att + (kv * rep + i % rep) * D;
+    srow[i] = scores + i * ld;
+    lens[i] = pos[m0 + i / rep] + 1;
+  }
+  for (int64_t j0 = 0; j0 < len; j0 += kKeyTile) {
+    const int64_t jt = std::min(kKeyTile, len - j0);
+    for (int64_t jj = 0; jj < kKeyTile; ++jj)
+      for (int64_t d = 0; d < D; ++d) kt[d * kKeyTile + jj] = jj < jt ? keys[(j0 + jj) * D + d] : 0.0f;
+    float* out[4];
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+      for (int a = 0; a < 4; ++a) out[a] = srow[i + a] + j0;
+      score_tile<4>(q.data() + i, kt, D, scale, jt, out);
+    }
+    for (int a = 0; i + a < n; ++a) out[a] = srow[i + a] + j0;
+    if (n - i == 3) score_tile<3>(q.data() + i, kt, D, scale, jt, out);
+    else if (n - i == 2) score_tile<2>(q.data() + i, kt, D, scale, jt, out);
+    else if (n - i == 1) score_tile<1>(q.data() + i, kt, D, scale, jt, out);
+  }
+  for (int64_t i = 0; i < n; ++i) {  // softmax numerators; keys past a row's own position are never read
+    float* s = srow[i];
+    const int64_t li = lens[i];
     float mx = s[0];
     for (int64_t j = 1; j < li; ++j) mx = std::max(mx, s[j]);
     for (int64_t j = 0; j < li; ++j) s[j] = fast_exp(s[j] - mx);
-    std::fill(out(i), out(i) + D, 0.0f);
-    total[i] = 0.0f;
+    float t = 0.0f;
+    for (int64_t j = 0; j < li; ++j) t += s[j];
+    total[i] = t;
   }
-  for (int64_t j = 0; j < len; ++j) {
-    const float* v = vals + j * D;
-    for (int64_t i = 0; i < n; ++i) {
-      if (!sees(i, j)) continue;
-      const float e = scores[i * len + j];
-      total[i] += e;
-      float* o = out(i);
-      for (int64_t d = 0; d < D; ++d) o[d] += e * v[d];
-    }
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    float* o = out(i);
-    for (int64_t d = 0; d < D; ++d) o[d] = o[d] / total[i];
+  for (int64_t i = 0; i < n;) {
+    const int64_t li = lens[i];
+    const bool pair = i + 1 < n && lens[i + 1] == li;
+    if (D == 128 && pair) weighted_sum<128, 2>(&srow[i], li, vals, total + i, &orow[i]);
+    else if (D == 128) weighted_sum<128, 1>(&srow[i], li, vals, total + i, &orow[i]);
+    else if (D == 64 && pair) weighted_sum<64, 2>(&srow[i], li, vals, total + i, &orow[i]);
+    else if (D == 64) weighted_sum<64, 1>(&srow[i], li, vals, total + i, &orow[i]);
+    else weighted_sum_any(srow[i], li, vals, D, total[i], orow[i]);
+    i += (pair && (D == 128 || D == 64)) ? 2 : 1;
   }
 }
 
@@ -1154,12 +1216,12 @@ static void layer_forward(const LayerDesc& L, const StackDims& g, float* x, int6
   runs.push_back(M);
   const int64_t nruns = static_cast<int64_t>(runs.size()) - 1;
   at::parallel_for(0, nruns * KV, 1, [&](int64_t t0, int64_t t1) {
-    thread_local std::vector<float> scores;
+    thread_local std::vector<float> scratch;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t r = t / KV, kv = t % KV, m0 = runs[r];
       const int64_t base = (slot[m0] * KV + kv) * g.max_len * D;
       attend_rows(qkv, nqkv, pos, m0, runs[r + 1], kv, rep, L.k_cache + base, L.v_cache + base, D, g.scale, att,
-                  H * D, scores);
+                  H * D, scratch);
     }
   });
   linear(L.o, att, H * D, M, y, h);
