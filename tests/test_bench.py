@@ -103,6 +103,8 @@ def test_humaneval_dataset():
 def test_configs_and_first_difference():
     assert [c.name for c in make_configs(["ngram", "draft"], [2, 4])] == \
         ["baseline", "ngram k=2", "ngram k=4", "draft k=2", "draft k=4"]
+    assert [c.name for c in make_configs(["ngram", "hybrid"], [3], [0.0, 0.5])] == \
+        ["baseline", "ngram k=3", "hybrid k=3", "hybrid k=3 p=0.5"]
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 2, 3], [1, 5, 3]) == 1
     assert first_difference([1, 2], [1, 2, 3]) == 2
@@ -186,3 +188,20 @@ def test_bench_truncated_sharegpt_and_verify_cost(tiny_models, sharegpt_truncate
     assert "relative to 1" in cap.out
     lines = [ln.split() for ln in cap.out.splitlines() if ln.strip() and ln.split()[0] in ("1", "2", "4")]
     assert [ln[0] for ln in lines] == ["1", "2", "4"] and lines[0][3] == "1.00x"
+
+
+def test_bench_draft_p_min_list(tiny_models, tiny_draft, spec_bench_file, tmp_path):
+    """--draft-p-min P,P: one draft config per value, each run with its own threshold (a high one stops the
+    random tiny draft early, so it drafts fewer tokens per step), greedy output still exact."""
+    out = tmp_path / "bench.json"
+    p = run_cli("bench", "-m", tiny_models["llama"], "-md", tiny_draft, "--dataset", spec_bench_file,
+                "--num-prompts", 1, "--max-tokens", 16, "--ignore-eos", "--method", "draft", "--k", "4",
+                "--draft-p-min", "0,0.9", "--output-json", out, "-t", 1, "--no-progress")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(out.read_text())
+    assert [(c["name"], c["draft_p_min"]) for c in r["configs"]] == \
+        [("baseline", 0.0), ("draft k=4", 0.0), ("draft k=4 p=0.9", 0.9)]
+    full, early = r["overall"]["draft k=4"], r["overall"]["draft k=4 p=0.9"]
+    assert early["num_draft_tokens"] / early["num_drafts"] < full["num_draft_tokens"] / full["num_drafts"]
+    assert full["greedy_mismatches"] == 0 and early["greedy_mismatches"] == 0
+    assert r["meta"]["draft_p_min"] == [0.0, 0.9]

@@ -95,10 +95,12 @@ def plot_tokens_per_s_vs_k(result: dict, path: Path) -> Path:
     for c in _spec_configs(result):
         v = overall[c["name"]]["decode_tokens_per_s"]
         if v is not None:
-            by_method.setdefault(c["method"], []).append((c["k"], v))
-    for method, pts in by_method.items():
+            p = c.get("draft_p_min") or 0
+            by_method.setdefault((c["method"], p), []).append((c["k"], v))
+    for (method, p), pts in by_method.items():
         pts.sort()
-        ax.plot([k for k, _ in pts], [v for _, v in pts], marker="o", label=method, color=_COLORS.get(method))
+        ax.plot([k for k, _ in pts], [v for _, v in pts], marker="o", label=method + (f" p={p:g}" if p else ""),
+                color=_COLORS.get(method), linestyle="--" if p else "-")
     base = overall.get("baseline", {}).get("decode_tokens_per_s")
     if base:
         ax.axhline(base, color="black", linestyle="--", linewidth=1, label="baseline (no speculation)")

@@ -48,16 +48,18 @@ MEMORY_NOTE = ("peak_rss_mb: process RSS (psutil) sampled after every engine ste
 @dataclass(frozen=True)
 class BenchConfig:
     name: str
-    method: str | None  # None (baseline), "ngram" or "draft"
+    method: str | None  # None (baseline), "ngram", "draft" or "hybrid"
     k: int = 0
+    p_min: float = 0.0  # draft / hybrid: SpeculativeConfig.draft_p_min
 
 
-def make_configs(methods: list[str], ks: list[int]) -> list[BenchConfig]:
-    """Baseline first, then each method x k."""
+def make_configs(methods: list[str], ks: list[int], p_mins: list[float] = (0.0,)) -> list[BenchConfig]:
+    """Baseline first, then each method x k (x draft_p_min for the methods that run the draft model)."""
     configs = [BenchConfig("baseline", None, 0)]
     for m in methods:
         for k in ks:
-            configs.append(BenchConfig(f"{m} k={k}", m, k))
+            for p in (p_mins if m in ("draft", "hybrid") else (0.0,)):
+                configs.append(BenchConfig(f"{m} k={k}" + (f" p={p:g}" if p else ""), m, k, p))
     return configs
 
 
@@ -83,7 +85,7 @@ class BenchSettings:
     warmup: bool = True
     progress: bool = True
     adaptive: bool = False            # engine-chosen k per step, up to each config's k
-    draft_p_min: float = 0.0          # draft configs stop drafting below this top probability
+    draft_p_mins: list[float] = field(default_factory=lambda: [0.0])  # draft / hybrid: one config per value
     draft_vocab_size: int | None = None  # draft configs: truncated draft LM head
     draft_quantization: str | None = None  # draft configs: the draft's weight format (None: the target's)
     compile: bool = False             # torch.compile the decode / verification layers (EngineConfig.compile)
@@ -285,7 +287,7 @@ def run_timed(engine, rid: str, ids: list[int], params, on_step=None, should_abo
 class BenchRunner:
     def __init__(self, settings: BenchSettings):
         self.s = settings
-        self.configs = make_configs(settings.methods, settings.ks)
+        self.configs = make_configs(settings.methods, settings.ks, settings.draft_p_mins)
         self.engine = None
         self.use_chat = False
         self._counter = 0
@@ -312,7 +314,7 @@ class BenchRunner:
         self._ngram_mins = {"ngram": ngram_min, "hybrid": hybrid_min}
         if need_draft:
             kw.update(speculative_model=s.draft_model or "default", num_speculative_tokens=kmax,
-                      speculative_draft_p_min=s.draft_p_min, speculative_draft_vocab_size=s.draft_vocab_size,
+                      speculative_draft_vocab_size=s.draft_vocab_size,
                       speculative_model_quantization=s.draft_quantization)
         elif "ngram" in s.methods:
             kw.update(speculative_model="[ngram]", num_speculative_tokens=kmax,
@@ -341,7 +343,8 @@ class BenchRunner:
                                                        prompt_lookup_min=ngram_min, prompt_lookup_max=s.ngram_max,
                                                        adaptive=s.adaptive)
             elif c.method in ("draft", "hybrid"):
-                self._spec[c.name] = dataclasses.replace(base, num_speculative_tokens=c.k, adaptive=s.adaptive)
+                self._spec[c.name] = dataclasses.replace(base, num_speculative_tokens=c.k, adaptive=s.adaptive,
+                                                         draft_p_min=c.p_min)
         has_template = bool(getattr(eng.tokenizer, "chat_template", None))
         if s.chat_template == "on" and not has_template:
             raise ValueError("--chat-template on: this model's tokenizer has no chat template")
@@ -351,6 +354,8 @@ class BenchRunner:
         from specdecode.spec.adaptive import CostModel
 
         self.engine.proposer = self._proposers[cfg.method]
+        if cfg.method in ("draft", "hybrid"):
+            self.engine.proposer.inner.p_min = cfg.p_min
         self.engine.config.speculative = self._spec.get(cfg.name)
         # Each config learns its own costs, as it would running alone (another proposer's timings differ).
         self.engine.costs = self._costs.setdefault(cfg.name, CostModel())
@@ -446,7 +451,7 @@ class BenchRunner:
             "num_prompts_used": used, "skipped_prompts": skipped,
             "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
             "greedy": s.temperature == 0, "seed": s.seed, "ignore_eos": s.ignore_eos, "adaptive_k": s.adaptive,
-            "draft_p_min": s.draft_p_min, "draft_vocab_size": s.draft_vocab_size,
+            "draft_p_min": s.draft_p_mins, "draft_vocab_size": s.draft_vocab_size,
             "draft_quantization": s.draft_quantization,
             "chat_template": self.use_chat, "ngram_min": self._ngram_mins, "ngram_max": s.ngram_max,
             "dtype": s.dtype, "quantization": s.quantization, "threads": torch.get_num_threads(),

@@ -87,6 +87,17 @@ def _float_in(lo: float, hi: float | None = None, lo_open: bool = False):
     return parse
 
 
+def _float_list(lo: float, hi: float):
+    item = _float_in(lo, hi)
+
+    def parse(s: str) -> list[float]:
+        parts = [p for p in s.replace(" ", "").split(",") if p]
+        if not parts:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of numbers, got {s!r}")
+        return sorted(set(item(p) for p in parts))
+    return parse
+
+
 def _int_list(lo: int, hi: int):
     item = _int_at_least(lo, hi)
 
@@ -114,6 +125,7 @@ def _name_list(choices: dict[str, str]):
 
 # ---------------------------------------------------------------- shared flags
 def _add_model_flags(p: argparse.ArgumentParser, draft_help: str, with_k: bool = True) -> None:
+    """with_k=False (the bench): --draft and --draft-p-min are lists, one config per value."""
     g = p.add_argument_group("models")
     g.add_argument("-m", "--model", metavar="TARGET", default=None,
                    help="target model: a .gguf file or an HF directory (default: the built-in "
@@ -125,9 +137,14 @@ def _add_model_flags(p: argparse.ArgumentParser, draft_help: str, with_k: bool =
                        default=5, help="tokens drafted per step, 1..16 (default 5)")
     g.add_argument("--adaptive", action="store_true",
                    help="choose k per step (up to the given k) from measured acceptance and costs")
-    g.add_argument("--draft-p-min", type=_float_in(0.0, 1.0), default=0.0, metavar="P",
-                   help="stop drafting once the draft model's top probability falls below P (llama.cpp's "
-                        "--draft-p-min; default 0: always draft k tokens)")
+    if with_k:
+        g.add_argument("--draft-p-min", type=_float_in(0.0, 1.0), default=0.0, metavar="P",
+                       help="stop drafting once the draft model's top probability falls below P (llama.cpp's "
+                            "--draft-p-min; default 0: always draft k tokens)")
+    else:
+        g.add_argument("--draft-p-min", type=_float_list(0.0, 0.99), default=[0.0], metavar="P,P",
+                       help="draft and hybrid configs: stop drafting once the draft's top probability falls below "
+                            "P; one config per value (default 0: always draft k tokens)")
     g.add_argument("--draft-vocab-size", type=_int_at_least(256), default=None, metavar="N",
                    help="draft model: score only the N lowest token ids (a BPE vocabulary's most frequent "
                         "tokens) plus special tokens; a cheaper draft step, same output (default: all)")
@@ -528,7 +545,7 @@ def cmd_bench(args) -> int:
         ignore_eos=args.ignore_eos, chat_template=args.chat_template, ngram_min=args.ngram_min,
         ngram_max=args.ngram_max, dtype=args.dtype, quantization=args.quantization, num_threads=args.threads,
         max_model_len=args.max_model_len, warmup=not args.no_warmup, progress=not args.no_progress,
-        adaptive=args.adaptive, draft_p_min=args.draft_p_min, draft_vocab_size=args.draft_vocab_size,
+        adaptive=args.adaptive, draft_p_mins=args.draft_p_min, draft_vocab_size=args.draft_vocab_size,
         draft_quantization=args.quantization_draft, compile=args.compile)
     from specdecode.sampling_params import SamplingParams
     SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)  # validate early

@@ -733,6 +733,14 @@ static inline void w4a8_tile(const W4Args& a, int64_t m0, int64_t g0) {
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < a.nblocks; ++b) {
+    if (kPrefetch) {
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        const char* wg = reinterpret_cast<const char*>(a.group(g0 + c));
+        for (int l = 0; l < 4; ++l) prefetch(wg + (b + kW4PrefetchBlocks) * 256 + 64 * l);
+        if ((b & 1) == 0) prefetch(reinterpret_cast<const char*>(a.scales(g0 + c) + (b + kW4PrefetchBlocks) * kGroup));
+      }
+    }
     __m512i t[R][C];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
