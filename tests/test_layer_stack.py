@@ -72,6 +72,11 @@ def test_stack_rows_are_invariant(quantization, tiny_models):
                 rows = r.forward_rows([(2, 30, other[30:34]), (1, 16, ids[16:]), (2, 34, other[34:36])],
                                       all_logits=True)[1]
             kv = [(L.attn.k_cache[1, :, :24].clone(), L.attn.v_cache[1, :, :24].clone()) for L in r.model.layers]
+            # The transposed key copy the stack's attention reads holds the same keys, whichever path wrote them.
+            for L in r.model.layers:
+                kt = L.attn.kt_cache.transpose(3, 4).flatten(2, 3)  # back to [slots, KV, positions, D]
+                for s, n in ((1, 24), (2, 36 if mode == "mixed" else 30)):
+                    assert torch.equal(kt[s, :, :n], L.attn.k_cache[s, :, :n])
             return rows, kv
         finally:
             torch.set_num_threads(prev)

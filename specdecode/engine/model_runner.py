@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.layers.attention import Attention, ForwardBatch
+from specdecode.layers.attention import KEY_TILE, Attention, ForwardBatch
 from specdecode.models.loader import LoadedModel
 
 
@@ -27,6 +27,10 @@ class ModelRunner:
             if isinstance(m, Attention):
                 m.k_cache = torch.zeros(shape, dtype=cache_dtype, device=self.device)
                 m.v_cache = torch.zeros(shape, dtype=cache_dtype, device=self.device)
+                if self.device.type == "cpu" and self.model.stack_family():  # read by kernels.LayerStack
+                    tiles = -(-max_model_len // KEY_TILE)
+                    m.kt_cache = torch.zeros((max_num_seqs, a.num_kv_heads, tiles, a.head_dim, KEY_TILE),
+                                             dtype=cache_dtype, device=self.device)
 
     def _tensor(self, xs: list[int]) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.long, device=self.device)

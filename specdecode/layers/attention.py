@@ -14,6 +14,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+KEY_TILE = 16  # cpu_linear.cpp: kKeyTile
+
+
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor      # [N]
@@ -44,6 +47,10 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.head_dim, self.scale = n_heads, n_kv_heads, head_dim, scale
         self.k_cache: torch.Tensor | None = None  # [slots, kv_heads, max_len, head_dim], bound by the engine
         self.v_cache: torch.Tensor | None = None
+        # The keys once more where the C++ layer stack runs (kernels.LayerStack), in transposed tiles of
+        # KEY_TILE positions ([slots, kv_heads, tiles, head_dim, KEY_TILE]): its decode attention reads each
+        # tile of keys as one contiguous block.
+        self.kt_cache: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
         """q: [N, H, D]; k, v: [N, KV, D] -> [N, H*D]."""
@@ -52,6 +59,9 @@ class Attention(nn.Module):
         for slot, p0, i0, i1 in b.runs():
             kc[slot, :, p0:p0 + i1 - i0] = k[i0:i1].transpose(0, 1)
             vc[slot, :, p0:p0 + i1 - i0] = v[i0:i1].transpose(0, 1)
+            if self.kt_cache is not None:
+                p = torch.arange(p0, p0 + i1 - i0, device=k.device)
+                self.kt_cache[slot].permute(1, 3, 0, 2)[p // KEY_TILE, p % KEY_TILE] = k[i0:i1]
         n, rep = q.shape[0], self.n_heads // self.n_kv
         if b.prefill:
             slot, start = b.slot_list[0], b.pos_list[0]

@@ -1018,18 +1018,20 @@ PyObject* py_linear(PyObject*, PyObject* args) {
 // being row-invariant, which it is: every row's norm, rotary, attention and activation is computed from
 // that row alone in a fixed order, and the linears are the row-invariant kernels above.
 // =============================================================================================
-constexpr int kLayerFields = 6 + 4 * 7;  // see LayerDesc::from
+constexpr int kLayerFields = 7 + 4 * 7;  // see LayerDesc::from
 
 struct LayerDesc {
   const float *attn_norm, *mlp_norm, *q_norm, *k_norm;  // q_norm / k_norm null unless per-head q/k norms
   float *k_cache, *v_cache;                             // [slots, KV, max_len, D]
+  float* kt_cache;  // the keys again, in transposed tiles: [slots, KV, ceil(max_len / kKeyTile), D, kKeyTile]
   Lin qkv, o, gate_up, down;
   static LayerDesc from(const int64_t* f) {
     auto lin = [](const int64_t* v) {
       return Lin{v[0], ptr<const void>(v[1]), v[2], ptr<const void>(v[3]), ptr<const float>(v[4]), v[5], v[6]};
     };
     return LayerDesc{ptr<const float>(f[0]), ptr<const float>(f[1]), ptr<const float>(f[2]), ptr<const float>(f[3]),
-                     ptr<float>(f[4]), ptr<float>(f[5]), lin(f + 6), lin(f + 13), lin(f + 20), lin(f + 27)};
+                     ptr<float>(f[4]), ptr<float>(f[5]), ptr<float>(f[6]), lin(f + 7), lin(f + 14), lin(f + 21),
+                     lin(f + 28)};
   }
 };
 
@@ -1086,63 +1088,74 @@ static void rotate(float* x, const float* cos, const float* sin_signed, int64_t 
 // multiply and per add (the file is built with -ffp-contract=off), so a row's result does not depend on
 // which other queries or keys share a tile, nor on the vector width the compiler picks.
 constexpr int64_t kKeyTile = 16;
+typedef float V16 __attribute__((vector_size(kKeyTile * sizeof(float))));
+static inline V16 load16(const float* p) {
+  V16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+constexpr int64_t kValueTile = 32;
 
-// acc[a][jj] = sum_d q[a][d] * kt[d][jj] for NQ queries against one transposed tile of kKeyTile keys: the
-// NQ x kKeyTile independent sums keep the vector units busy where one dot product at a time would wait on
-// its own additions.
+// acc[a][jj] = sum_d q[a][d] * kt[d * ldk + jj] for NQ queries against kKeyTile keys of the transposed key
+// cache: the NQ x kKeyTile independent sums keep the vector units busy where one dot product at a time
+// would wait on its own additions.
 template <int NQ>
-static inline void score_tile(const float* const* q, const float* kt, int64_t D, float scale, int64_t jt,
-                              float* const* out) {
-  float acc[NQ][kKeyTile] = {};
+static inline void score_tile(const float* const* q, const float* kt, int64_t ldk, int64_t D, float scale,
+                              int64_t jt, float* const* out) {
+  // GCC vector types: the sums stay in registers (as plain arrays they were kept on the stack), and
+  // element-wise arithmetic is the same IEEE operation per lane whatever vector width the target has.
+  V16 acc[NQ];
+  for (int a = 0; a < NQ; ++a) acc[a] = V16{};
   for (int64_t d = 0; d < D; ++d) {
-    const float* k = kt + d * kKeyTile;
-    for (int a = 0; a < NQ; ++a) {
-      const float qa = q[a][d];
-      for (int64_t jj = 0; jj < kKeyTile; ++jj) acc[a][jj] += qa * k[jj];
-    }
+    const V16 k = load16(kt + d * ldk);
+    for (int a = 0; a < NQ; ++a) acc[a] += q[a][d] * k;
   }
-  for (int a = 0; a < NQ; ++a)
-    for (int64_t jj = 0; jj < jt; ++jj) out[a][jj] = acc[a][jj] * scale;
+  for (int a = 0; a < NQ; ++a) {
+    float t[kKeyTile];
+    std::memcpy(t, &acc[a], sizeof(t));
+    for (int64_t jj = 0; jj < jt; ++jj) out[a][jj] = t[jj] * scale;
+  }
 }
 
-// o[a][d] = sum_j p[a][j] * v_j[d] over keys [0, li) (the same li for all NQ queries: the heads of one row),
-// then divided by each query's total; DT = D known at compile time keeps the sums in registers.
+// acc[a][d] += sum_j p[a][j] * v_j[d] over keys [j0, j1) in key order, for NQ queries that all see those keys.
+// DT = D known at compile time keeps the running sums in registers for the tile.
 template <int DT, int NQ>
-static inline void weighted_sum(const float* const* p, int64_t li, const float* vals, const float* total,
-                                float* const* o) {
-  float acc[NQ][DT] = {};
-  for (int64_t j = 0; j < li; ++j) {
+static inline void weighted_sum(float* const* p, int64_t j0, int64_t j1, const float* vals, float* const* acc) {
+  float s[NQ][DT];
+  for (int a = 0; a < NQ; ++a)
+    for (int64_t d = 0; d < DT; ++d) s[a][d] = acc[a][d];
+  for (int64_t j = j0; j < j1; ++j) {
     const float* v = vals + j * DT;
     for (int a = 0; a < NQ; ++a) {
       const float e = p[a][j];
-      for (int64_t d = 0; d < DT; ++d) acc[a][d] += e * v[d];
+      for (int64_t d = 0; d < DT; ++d) s[a][d] += e * v[d];
     }
   }
   for (int a = 0; a < NQ; ++a)
-    for (int64_t d = 0; d < DT; ++d) o[a][d] = acc[a][d] / total[a];
+    for (int64_t d = 0; d < DT; ++d) acc[a][d] = s[a][d];
 }
 
-static void weighted_sum_any(const float* p, int64_t li, const float* vals, int64_t D, float total, float* o) {
-  std::fill(o, o + D, 0.0f);
-  for (int64_t j = 0; j < li; ++j)
-    for (int64_t d = 0; d < D; ++d) o[d] += p[j] * vals[j * D + d];
-  for (int64_t d = 0; d < D; ++d) o[d] = o[d] / total;
+static void weighted_sum_any(const float* p, int64_t j0, int64_t j1, const float* vals, int64_t D, float* acc) {
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t d = 0; d < D; ++d) acc[d] += p[j] * vals[j * D + d];
 }
 
 // One KV head against the rows [m0, m1) of one request (one cache slot, increasing positions), each row
 // with its rep query heads: row m attends to keys [0, pos[m]]. Keys and values are read once for all of
 // those rows, so a verification pass over k + 1 rows streams the request's KV cache once, not k + 1 times.
+// keys_t holds this slot and head's keys in transposed tiles ([tiles, D, kKeyTile]), so each tile of keys is
+// one contiguous block and nothing is transposed per step. Lanes of the last tile past the newest key hold
+// stale or zero values; their scores are never read.
 static void attend_rows(const float* qkv, int64_t nqkv, const int64_t* pos, int64_t m0, int64_t m1, int64_t kv,
-                        int64_t rep, const float* keys, const float* vals, int64_t D, float scale, float* att,
-                        int64_t ld_att, std::vector<float>& scratch) {
+                        int64_t rep, const float* keys_t, const float* vals, int64_t D, float scale,
+                        float* att, int64_t ld_att, std::vector<float>& scratch) {
   const int64_t n = (m1 - m0) * rep;
   int64_t len = 0;
   for (int64_t m = m0; m < m1; ++m) len = std::max(len, pos[m] + 1);
   const int64_t ld = (len + kKeyTile - 1) / kKeyTile * kKeyTile;
-  scratch.resize(n * ld + n + D * kKeyTile);
+  scratch.resize(n * ld + n + n * D);
   float* const scores = scratch.data();
   float* const total = scores + n * ld;
-  float* const kt = total + n;
   std::vector<const float*> q(n);
   std::vector<float*> srow(n), orow(n);
   std::vector<int64_t> lens(n);
@@ -1154,18 +1167,18 @@ static void attend_rows(const float* qkv, int64_t nqkv, const int64_t* pos, int6
   }
   for (int64_t j0 = 0; j0 < len; j0 += kKeyTile) {
     const int64_t jt = std::min(kKeyTile, len - j0);
-    for (int64_t jj = 0; jj < kKeyTile; ++jj)
-      for (int64_t d = 0; d < D; ++d) kt[d * kKeyTile + jj] = jj < jt ? keys[(j0 + jj) * D + d] : 0.0f;
+    const float* tile = keys_t + j0 * D;
+    const int64_t ldk = kKeyTile;
     float* out[4];
     int64_t i = 0;
     for (; i + 4 <= n; i += 4) {
       for (int a = 0; a < 4; ++a) out[a] = srow[i + a] + j0;
-      score_tile<4>(q.data() + i, kt, D, scale, jt, out);
+      score_tile<4>(q.data() + i, tile, ldk, D, scale, jt, out);
     }
     for (int a = 0; i + a < n; ++a) out[a] = srow[i + a] + j0;
-    if (n - i == 3) score_tile<3>(q.data() + i, kt, D, scale, jt, out);
-    else if (n - i == 2) score_tile<2>(q.data() + i, kt, D, scale, jt, out);
-    else if (n - i == 1) score_tile<1>(q.data() + i, kt, D, scale, jt, out);
+    if (n - i == 3) score_tile<3>(q.data() + i, tile, ldk, D, scale, jt, out);
+    else if (n - i == 2) score_tile<2>(q.data() + i, tile, ldk, D, scale, jt, out);
+    else if (n - i == 1) score_tile<1>(q.data() + i, tile, ldk, D, scale, jt, out);
   }
   for (int64_t i = 0; i < n; ++i) {  // softmax numerators; keys past a row's own position are never read
     float* s = srow[i];
@@ -1177,16 +1190,28 @@ static void attend_rows(const float* qkv, int64_t nqkv, const int64_t* pos, int6
     for (int64_t j = 0; j < li; ++j) t += s[j];
     total[i] = t;
   }
-  for (int64_t i = 0; i < n;) {
-    const int64_t li = lens[i];
-    const bool pair = i + 1 < n && lens[i + 1] == li;
-    if (D == 128 && pair) weighted_sum<128, 2>(&srow[i], li, vals, total + i, &orow[i]);
-    else if (D == 128) weighted_sum<128, 1>(&srow[i], li, vals, total + i, &orow[i]);
-    else if (D == 64 && pair) weighted_sum<64, 2>(&srow[i], li, vals, total + i, &orow[i]);
-    else if (D == 64) weighted_sum<64, 1>(&srow[i], li, vals, total + i, &orow[i]);
-    else weighted_sum_any(srow[i], li, vals, D, total[i], orow[i]);
-    i += (pair && (D == 128 || D == 64)) ? 2 : 1;
+  // Values in tiles of kValueTile keys, each tile used by every query while it sits in L1 (a pass over all
+  // values per query would stream them from L3 once per query). A query's sums still run in key order.
+  float* const acc = total + n;
+  std::vector<float*> arow(n);
+  for (int64_t i = 0; i < n; ++i) arow[i] = acc + i * D;
+  std::fill(acc, acc + n * D, 0.0f);
+  for (int64_t j0 = 0; j0 < len; j0 += kValueTile) {
+    for (int64_t i = 0; i < n;) {
+      const int64_t j1 = std::min(j0 + kValueTile, lens[i]);
+      const bool pair = i + 1 < n && lens[i + 1] == lens[i] && (D == 128 || D == 64);
+      if (j1 > j0) {
+        if (D == 128 && pair) weighted_sum<128, 2>(&srow[i], j0, j1, vals, &arow[i]);
+        else if (D == 128) weighted_sum<128, 1>(&srow[i], j0, j1, vals, &arow[i]);
+        else if (D == 64 && pair) weighted_sum<64, 2>(&srow[i], j0, j1, vals, &arow[i]);
+        else if (D == 64) weighted_sum<64, 1>(&srow[i], j0, j1, vals, &arow[i]);
+        else weighted_sum_any(srow[i], j0, j1, vals, D, arow[i]);
+      }
+      i += pair ? 2 : 1;
+    }
   }
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t d = 0; d < D; ++d) orow[i][d] = arow[i][d] / total[i];
 }
 
 static void layer_forward(const LayerDesc& L, const StackDims& g, float* x, int64_t M, const int64_t* pos,
@@ -1215,6 +1240,9 @@ static void layer_forward(const LayerDesc& L, const StackDims& g, float* x, int6
       const int64_t at = ((slot[m] * KV + kv) * g.max_len + pos[m]) * D;
       std::memcpy(L.k_cache + at, row + (H + kv) * D, sizeof(float) * D);
       std::memcpy(L.v_cache + at, row + (H + KV + kv) * D, sizeof(float) * D);
+      const int64_t tiles = (g.max_len + kKeyTile - 1) / kKeyTile;
+      float* kt = L.kt_cache + ((slot[m] * KV + kv) * tiles + pos[m] / kKeyTile) * D * kKeyTile + pos[m] % kKeyTile;
+      for (int64_t d = 0; d < D; ++d) kt[d * kKeyTile] = row[(H + kv) * D + d];
     }
   }
   // Attention tasks: each stretch of rows of one request (same slot, increasing positions) x KV head.
@@ -1228,8 +1256,9 @@ static void layer_forward(const LayerDesc& L, const StackDims& g, float* x, int6
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t r = t / KV, kv = t % KV, m0 = runs[r];
       const int64_t base = (slot[m0] * KV + kv) * g.max_len * D;
-      attend_rows(qkv, nqkv, pos, m0, runs[r + 1], kv, rep, L.k_cache + base, L.v_cache + base, D, g.scale, att,
-                  H * D, scratch);
+      const int64_t tiles = (g.max_len + kKeyTile - 1) / kKeyTile;
+      attend_rows(qkv, nqkv, pos, m0, runs[r + 1], kv, rep, L.kt_cache + (slot[m0] * KV + kv) * tiles * kKeyTile * D,
+                  L.v_cache + base, D, g.scale, att, H * D, scratch);
     }
   });
   linear(L.o, att, H * D, M, y, h);
@@ -1271,7 +1300,7 @@ PyObject* py_decoder_layers(PyObject*, PyObject* args) {
     for (const Lin* l : lins) err = err ? err : check_lin(*l);
     if (!err && (L.qkv.K != hidden || L.qkv.N != (H + 2 * KV) * D || L.o.K != H * D || L.o.N != hidden ||
                  L.gate_up.K != hidden || L.gate_up.N != 2 * I || L.down.K != I || L.down.N != hidden ||
-                 !L.attn_norm || !L.mlp_norm || !L.k_cache || !L.v_cache || (!L.q_norm != !L.k_norm)))
+                 !L.attn_norm || !L.mlp_norm || !L.k_cache || !L.v_cache || !L.kt_cache || (!L.q_norm != !L.k_norm)))
       err = "layer table does not match the dimensions";
     layers.push_back(L);
   }

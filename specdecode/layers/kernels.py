@@ -501,7 +501,7 @@ def rowinv_linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | No
 # ------------------------------------------------------------------------------------------------
 # Decoder layers in one call (decode / verification rows)
 # ------------------------------------------------------------------------------------------------
-_LAYER_FIELDS = 6 + 4 * 7  # cpu_linear.cpp: kLayerFields
+_LAYER_FIELDS = 7 + 4 * 7  # cpu_linear.cpp: kLayerFields
 
 
 # rowinv_linear as an opaque op, so that torch.compile keeps it in the graph (a plain C extension call
@@ -534,7 +534,8 @@ class LayerStack:
     table of addresses for the C++ decode path. Holds a reference to every tensor the table points to.
 
     ``layers``: per layer a dict with ``attn_norm``, ``mlp_norm``, ``q_norm`` / ``k_norm`` (or None),
-    ``k_cache`` / ``v_cache`` ([slots, KV, max_len, D] float32) and ``qkv`` / ``o`` / ``gate_up`` / ``down``
+    ``k_cache`` / ``v_cache`` ([slots, KV, max_len, D] float32), ``kt_cache`` (the keys in transposed tiles,
+    [slots, KV, ceil(max_len / 16), D, 16]) and ``qkv`` / ``o`` / ``gate_up`` / ``down``
     as (PackedLinear, bias or None)."""
 
     def __init__(self, layers: list[dict], *, hidden: int, heads: int, kv_heads: int, head_dim: int,
@@ -544,8 +545,12 @@ class LayerStack:
         for L in layers:
             row = [_ptr(_f32(L["attn_norm"], "attn_norm")), _ptr(_f32(L["mlp_norm"], "mlp_norm")),
                    *(0 if L[n] is None else _ptr(_f32(L[n], n)) for n in ("q_norm", "k_norm")),
-                   _ptr(_f32(L["k_cache"], "k_cache")), _ptr(_f32(L["v_cache"], "v_cache"))]
-            keep += [L[k] for k in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "k_cache", "v_cache")]
+                   _ptr(_f32(L["k_cache"], "k_cache")), _ptr(_f32(L["v_cache"], "v_cache")),
+                   _ptr(_f32(L["kt_cache"], "kt_cache"))]
+            S, KVh, T, Dh = L["k_cache"].shape
+            if tuple(L["kt_cache"].shape) != (S, KVh, -(-T // 16), Dh, 16) or not L["kt_cache"].is_contiguous():
+                raise ValueError("LayerStack: kt_cache must be [slots, KV, ceil(max_len / 16), D, 16]")
+            keep += [L[k] for k in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "k_cache", "v_cache", "kt_cache")]
             for name in ("qkv", "o", "gate_up", "down"):
                 packed, bias = L[name]
                 wptr, ldw, code, scale_t = packed._kernel_args()

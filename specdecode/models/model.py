@@ -296,16 +296,21 @@ class CausalLM(nn.Module):
                  if isinstance(m, Linear) and m.weight is None and m.packed is not None)
         return n
 
+    def stack_family(self) -> bool:
+        """Whether this architecture fits the C++ layer stack (llama-style: RMSNorm, rotary, gated SiLU)."""
+        a = self.args
+        return a.norm == "rms" and self.rotary is not None and a.gated_mlp and a.activation in ("silu", "swish")
+
     def _layer_stack(self) -> kernels.LayerStack | None:
         """The layers as one C++ call for decode / verification rows (kernels.LayerStack), or None where that
         path does not apply: other families, non-CPU or non-float32 models, or no compiled kernel. Rebuilt
         when the KV cache or the weights are replaced."""
         a, first = self.args, self.layers[0] if len(self.layers) else None
-        if (not self.fused_layers or first is None or a.norm != "rms" or self.rotary is None or not a.gated_mlp
-                or a.activation not in ("silu", "swish") or self.embed_tokens.weight.dtype != torch.float32
-                or first.attn.k_cache is None or not kernels.kernel_available()):
+        if (not self.fused_layers or first is None or not self.stack_family()
+                or self.embed_tokens.weight.dtype != torch.float32
+                or first.attn.k_cache is None or first.attn.kt_cache is None or not kernels.kernel_available()):
             return None
-        key = tuple((id(L.attn.k_cache), id(L.attn.v_cache), id(L.qkv_proj), id(L.gate_up_proj),
+        key = tuple((id(L.attn.k_cache), id(L.attn.v_cache), id(L.attn.kt_cache), id(L.qkv_proj), id(L.gate_up_proj),
                      id(L.qkv_proj.packed if L.qkv_proj else None)) for L in self.layers)
         if self._stack is not None and self._stack[0] == key:
             return self._stack[1]
@@ -318,7 +323,7 @@ class CausalLM(nn.Module):
             stack = kernels.LayerStack(
                 [dict(attn_norm=L.attn_norm.weight, mlp_norm=L.mlp_norm.weight,
                       q_norm=L.q_norm.weight if a.qk_norm else None, k_norm=L.k_norm.weight if a.qk_norm else None,
-                      k_cache=L.attn.k_cache, v_cache=L.attn.v_cache,
+                      k_cache=L.attn.k_cache, v_cache=L.attn.v_cache, kt_cache=L.attn.kt_cache,
                       qkv=(L.qkv_proj.packed, L.qkv_proj.bias), o=(L.o_proj.packed, L.o_proj.bias),
                       gate_up=(L.gate_up_proj.packed, L.gate_up_proj.bias),
                       down=(L.down_proj.packed, L.down_proj.bias)) for L in self.layers],
