@@ -1096,18 +1096,18 @@ static inline V16 load16(const float* p) {
 }
 constexpr int64_t kValueTile = 32;
 
-// acc[a][jj] = sum_d q[a][d] * kt[d * ldk + jj] for NQ queries against kKeyTile keys of the transposed key
-// cache: the NQ x kKeyTile independent sums keep the vector units busy where one dot product at a time
-// would wait on its own additions.
+// acc[a][jj] = sum_d q[a][d] * kt[d][jj] for NQ queries against one tile of kKeyTile transposed keys
+// ([D, kKeyTile]): the NQ x kKeyTile independent sums keep the vector units busy where one dot product at a
+// time would wait on its own additions.
 template <int NQ>
-static inline void score_tile(const float* const* q, const float* kt, int64_t ldk, int64_t D, float scale,
-                              int64_t jt, float* const* out) {
+static inline void score_tile(const float* const* q, const float* kt, int64_t D, float scale, int64_t jt,
+                              float* const* out) {
   // GCC vector types: the sums stay in registers (as plain arrays they were kept on the stack), and
   // element-wise arithmetic is the same IEEE operation per lane whatever vector width the target has.
   V16 acc[NQ];
   for (int a = 0; a < NQ; ++a) acc[a] = V16{};
   for (int64_t d = 0; d < D; ++d) {
-    const V16 k = load16(kt + d * ldk);
+    const V16 k = load16(kt + d * kKeyTile);
     for (int a = 0; a < NQ; ++a) acc[a] += q[a][d] * k;
   }
   for (int a = 0; a < NQ; ++a) {
@@ -1168,17 +1168,16 @@ static void attend_rows(const float* qkv, int64_t nqkv, const int64_t* pos, int6
   for (int64_t j0 = 0; j0 < len; j0 += kKeyTile) {
     const int64_t jt = std::min(kKeyTile, len - j0);
     const float* tile = keys_t + j0 * D;
-    const int64_t ldk = kKeyTile;
     float* out[4];
     int64_t i = 0;
     for (; i + 4 <= n; i += 4) {
       for (int a = 0; a < 4; ++a) out[a] = srow[i + a] + j0;
-      score_tile<4>(q.data() + i, tile, ldk, D, scale, jt, out);
+      score_tile<4>(q.data() + i, tile, D, scale, jt, out);
     }
     for (int a = 0; i + a < n; ++a) out[a] = srow[i + a] + j0;
-    if (n - i == 3) score_tile<3>(q.data() + i, tile, ldk, D, scale, jt, out);
-    else if (n - i == 2) score_tile<2>(q.data() + i, tile, ldk, D, scale, jt, out);
-    else if (n - i == 1) score_tile<1>(q.data() + i, tile, ldk, D, scale, jt, out);
+    if (n - i == 3) score_tile<3>(q.data() + i, tile, D, scale, jt, out);
+    else if (n - i == 2) score_tile<2>(q.data() + i, tile, D, scale, jt, out);
+    else if (n - i == 1) score_tile<1>(q.data() + i, tile, D, scale, jt, out);
   }
   for (int64_t i = 0; i < n; ++i) {  // softmax numerators; keys past a row's own position are never read
     float* s = srow[i];
