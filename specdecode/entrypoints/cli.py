@@ -87,26 +87,22 @@ def _float_in(lo: float, hi: float | None = None, lo_open: bool = False):
     return parse
 
 
-def _float_list(lo: float, hi: float):
-    item = _float_in(lo, hi)
-
-    def parse(s: str) -> list[float]:
+def _list_of(item, what: str):
+    """A comma-separated list parsed by ``item``, deduplicated and sorted."""
+    def parse(s: str) -> list:
         parts = [p for p in s.replace(" ", "").split(",") if p]
         if not parts:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of numbers, got {s!r}")
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what}, got {s!r}")
         return sorted(set(item(p) for p in parts))
     return parse
+
+
+def _float_list(lo: float, hi: float):
+    return _list_of(_float_in(lo, hi), "numbers")
 
 
 def _int_list(lo: int, hi: int):
-    item = _int_at_least(lo, hi)
-
-    def parse(s: str) -> list[int]:
-        parts = [p for p in s.replace(" ", "").split(",") if p]
-        if not parts:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {s!r}")
-        return sorted(set(item(p) for p in parts))
-    return parse
+    return _list_of(_int_at_least(lo, hi), "integers")
 
 
 def _name_list(choices: dict[str, str]):
