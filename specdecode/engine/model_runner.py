@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.layers.attention import KEY_TILE, Attention, ForwardBatch
+from specdecode.layers.attention import Attention, ForwardBatch
+from specdecode.layers.kernels import KEY_TILE
 from specdecode.models.loader import LoadedModel
 
 

@@ -13,8 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-KEY_TILE = 16  # cpu_linear.cpp: kKeyTile
+from specdecode.layers.kernels import KEY_TILE
 
 
 @dataclass

@@ -1216,6 +1216,7 @@ static void attend_rows(const float* qkv, int64_t nqkv, const int64_t* pos, int6
 static void layer_forward(const LayerDesc& L, const StackDims& g, float* x, int64_t M, const int64_t* pos,
                           const int64_t* slot, const float* cos, const float* sin_signed) {
   const int64_t h = g.hidden, D = g.D, H = g.H, KV = g.KV, I = g.I, rep = H / KV, nqkv = (H + 2 * KV) * D;
+  const int64_t key_tiles = (g.max_len + kKeyTile - 1) / kKeyTile;  // per (slot, KV head) of kt_cache
   if (M == 0) return;
   // Scratch kept across calls: fresh buffers this size come from mmap and cost a page fault per 4 KB.
   thread_local std::vector<float> buf;
@@ -1239,8 +1240,8 @@ static void layer_forward(const LayerDesc& L, const StackDims& g, float* x, int6
       const int64_t at = ((slot[m] * KV + kv) * g.max_len + pos[m]) * D;
       std::memcpy(L.k_cache + at, row + (H + kv) * D, sizeof(float) * D);
       std::memcpy(L.v_cache + at, row + (H + KV + kv) * D, sizeof(float) * D);
-      const int64_t tiles = (g.max_len + kKeyTile - 1) / kKeyTile;
-      float* kt = L.kt_cache + ((slot[m] * KV + kv) * tiles + pos[m] / kKeyTile) * D * kKeyTile + pos[m] % kKeyTile;
+      float* kt = L.kt_cache + ((slot[m] * KV + kv) * key_tiles + pos[m] / kKeyTile) * D * kKeyTile +
+                  pos[m] % kKeyTile;
       for (int64_t d = 0; d < D; ++d) kt[d * kKeyTile] = row[(H + kv) * D + d];
     }
   }
@@ -1255,9 +1256,8 @@ static void layer_forward(const LayerDesc& L, const StackDims& g, float* x, int6
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t r = t / KV, kv = t % KV, m0 = runs[r];
       const int64_t base = (slot[m0] * KV + kv) * g.max_len * D;
-      const int64_t tiles = (g.max_len + kKeyTile - 1) / kKeyTile;
-      attend_rows(qkv, nqkv, pos, m0, runs[r + 1], kv, rep, L.kt_cache + (slot[m0] * KV + kv) * tiles * kKeyTile * D,
-                  L.v_cache + base, D, g.scale, att, H * D, scratch);
+      const float* keys_t = L.kt_cache + (slot[m0] * KV + kv) * key_tiles * kKeyTile * D;
+      attend_rows(qkv, nqkv, pos, m0, runs[r + 1], kv, rep, keys_t, L.v_cache + base, D, g.scale, att, H * D, scratch);
     }
   });
   linear(L.o, att, H * D, M, y, h);

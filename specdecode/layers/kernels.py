@@ -502,6 +502,7 @@ def rowinv_linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | No
 # Decoder layers in one call (decode / verification rows)
 # ------------------------------------------------------------------------------------------------
 _LAYER_FIELDS = 7 + 4 * 7  # cpu_linear.cpp: kLayerFields
+KEY_TILE = 16  # cpu_linear.cpp: kKeyTile, the positions per tile of Attention.kt_cache
 
 
 # rowinv_linear as an opaque op, so that torch.compile keeps it in the graph (a plain C extension call
@@ -535,7 +536,7 @@ class LayerStack:
 
     ``layers``: per layer a dict with ``attn_norm``, ``mlp_norm``, ``q_norm`` / ``k_norm`` (or None),
     ``k_cache`` / ``v_cache`` ([slots, KV, max_len, D] float32), ``kt_cache`` (the keys in transposed tiles,
-    [slots, KV, ceil(max_len / 16), D, 16]) and ``qkv`` / ``o`` / ``gate_up`` / ``down``
+    [slots, KV, ceil(max_len / KEY_TILE), D, KEY_TILE]) and ``qkv`` / ``o`` / ``gate_up`` / ``down``
     as (PackedLinear, bias or None)."""
 
     def __init__(self, layers: list[dict], *, hidden: int, heads: int, kv_heads: int, head_dim: int,
@@ -548,8 +549,9 @@ class LayerStack:
                    _ptr(_f32(L["k_cache"], "k_cache")), _ptr(_f32(L["v_cache"], "v_cache")),
                    _ptr(_f32(L["kt_cache"], "kt_cache"))]
             S, KVh, T, Dh = L["k_cache"].shape
-            if tuple(L["kt_cache"].shape) != (S, KVh, -(-T // 16), Dh, 16) or not L["kt_cache"].is_contiguous():
-                raise ValueError("LayerStack: kt_cache must be [slots, KV, ceil(max_len / 16), D, 16]")
+            if (tuple(L["kt_cache"].shape) != (S, KVh, -(-T // KEY_TILE), Dh, KEY_TILE)
+                    or not L["kt_cache"].is_contiguous()):
+                raise ValueError(f"LayerStack: kt_cache must be [slots, KV, ceil(max_len / {KEY_TILE}), D, {KEY_TILE}]")
             keep += [L[k] for k in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "k_cache", "v_cache", "kt_cache")]
             for name in ("qkv", "o", "gate_up", "down"):
                 packed, bias = L[name]
