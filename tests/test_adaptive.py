@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from specdecode.spec.adaptive import PROBE_EVERY, Acceptance, CostModel, choose_k, expected_tokens, next_k
+from specdecode.spec.adaptive import (PROBE_EVERY, Acceptance, CostModel, calibration_rows, choose_k,
+                                      expected_tokens, next_k)
 
 from helpers_spec import GREEDY, PROMPTS, gen_ids, llm_cache, noisy_drafts, one_thread  # noqa: F401
 
@@ -11,8 +12,8 @@ from helpers_spec import GREEDY, PROMPTS, gen_ids, llm_cache, noisy_drafts, one_
 def _costs(verify: dict[int, float], draft_step: float) -> CostModel:
     c = CostModel()
     for rows, s in verify.items():
-        c.observe_verify(rows, s)
-    c.observe_draft(draft_step)
+        c.add(0, rows, s)
+    c.add_draft(0, draft_step)
     return c
 
 
@@ -24,7 +25,7 @@ def test_expected_tokens():
     assert expected_tokens(0.3, 0.9, 0) == 1.0
 
 
-def test_unmeasured_costs_use_the_full_k():
+def test_uncalibrated_costs_use_the_full_k():
     assert choose_k(0.1, 0.1, 5, CostModel(), draft_is_free=False) == 5
 
 
@@ -79,11 +80,13 @@ def test_adaptive_greedy_equals_plain(proposer, one_thread, llm_cache, tiny_mode
                         speculative_adaptive=True)
     for p, want in zip(PROMPTS, plain):  # batch 1, so the cost model learns
         assert gen_ids(llm, [p], max_tokens=24, **GREEDY)[0] == want
+    # Calibrated when the engine started: every timed row count after a short and a long context.
     costs = llm.engine.costs
-    assert costs.verify and all(s > 0 for s in costs.verify.values())
-    if proposer == "draft":
-        # Only steady-state draft passes are timed: one pass over 2 tokens at most per request.
-        assert costs.draft_step is not None and 0 < costs.draft_step < max(costs.verify.values()) * 10
+    assert len(costs.verify) == 2
+    for table in costs.verify.values():
+        assert sorted(table) == calibration_rows(4) and all(s > 0 for s in table.values())
+    assert (sorted(costs.draft) == sorted(costs.verify)) == (proposer == "draft")
+    assert all(s > 0 for s in costs.draft.values())
 
 
 def _high() -> Acceptance:
@@ -123,3 +126,44 @@ def test_verify_cost_never_falls_as_rows_grow():
     assert costs == sorted(costs)
     assert c.verify_cost(7) == pytest.approx(0.15) and c.verify_cost(2) == pytest.approx(0.10 + 0.02 / 3)
     assert CostModel().verify_cost(3) is None
+
+
+def test_calibration_rows_cover_one_to_k_plus_one():
+    assert calibration_rows(1) == [1, 2]
+    assert calibration_rows(4) == [1, 2, 3, 5]
+    assert calibration_rows(8) == [1, 2, 3, 5, 9]
+    assert calibration_rows(10) == [1, 2, 3, 5, 9, 11]
+
+
+def test_costs_follow_the_context_length():
+    c = CostModel()
+    for ctx, base in ((100, 0.10), (500, 0.14)):
+        c.add(ctx, 1, base)
+        c.add(ctx, 5, base * 1.5)
+        c.add_draft(ctx, base / 4)
+    assert c.verify_cost(1, 0) == c.verify_cost(1, 100) == pytest.approx(0.10)      # flat below the shortest
+    assert c.verify_cost(1, 300) == pytest.approx(0.12)                              # linear in between
+    assert c.verify_cost(5, 900) == pytest.approx(0.21 + 0.06)                       # extrapolated beyond
+    assert c.verify_cost(3, 100) == pytest.approx(0.125)                             # rows interpolated too
+    assert c.draft_cost(300) == pytest.approx(0.03)
+    # A long context makes extra rows dearer, which must show in the chosen k.
+    c.add(2000, 1, 0.12)
+    c.add(2000, 5, 0.5)
+    c.add_draft(2000, 0.03)
+    assert choose_k(0.6, 0.6, 4, c, draft_is_free=True, context=2000) < choose_k(0.6, 0.6, 4, c, True, 100)
+
+
+def test_a_busy_engine_refuses_to_calibrate(one_thread, llm_cache, tiny_models):
+    from specdecode.sampling_params import SamplingParams
+
+    llm = llm_cache.get(tiny_models["llama"], speculative_model="[ngram]", num_speculative_tokens=2,
+                        speculative_adaptive=True)
+    eng = llm.engine
+    eng.add_request("busy", [5, 6, 7], SamplingParams(max_tokens=4))
+    try:
+        with pytest.raises(RuntimeError, match="idle engine"):
+            eng.calibrate_costs()
+    finally:
+        eng.abort_request("busy")
+        while eng.has_unfinished_requests():
+            eng.step()

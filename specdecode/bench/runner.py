@@ -335,6 +335,8 @@ class BenchRunner:
             if runner is not None:
                 self._weight_bytes["draft"] = linear_weight_bytes(runner.model)
         self.memory_bandwidth_gbps = measure_memory_bandwidth()
+        # Adaptive k: one calibration (with the draft model when there is one); each config starts from a copy.
+        self._calibrated = eng.calibrate_costs() if s.adaptive else None
         from specdecode.config import SpeculativeConfig
         base = eng.config.speculative
         for c in self.configs:
@@ -357,8 +359,10 @@ class BenchRunner:
         if cfg.method in ("draft", "hybrid"):
             self.engine.proposer.inner.p_min = cfg.p_min
         self.engine.config.speculative = self._spec.get(cfg.name)
-        # Each config learns its own costs, as it would running alone (another proposer's timings differ).
-        self.engine.costs = self._costs.setdefault(cfg.name, CostModel())
+        # Each config learns its own acceptance, as it would running alone.
+        if cfg.name not in self._costs:
+            self._costs[cfg.name] = copy.deepcopy(self._calibrated) if self._calibrated else CostModel()
+        self.engine.costs = self._costs[cfg.name]
 
     def encode(self, text: str) -> list[int]:
         from specdecode.tokenizer import apply_chat_template

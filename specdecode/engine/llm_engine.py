@@ -14,7 +14,7 @@ from specdecode.layers.sampler import apply_penalties, logits_to_probs, logprobs
 from specdecode.models.loader import load_model
 from specdecode.outputs import RequestOutput
 from specdecode.sampling_params import SamplingParams
-from specdecode.spec.adaptive import CostModel, next_k
+from specdecode.spec.adaptive import CostModel, calibrate, next_k
 from specdecode.spec.metrics import SpecDecodeStats
 from specdecode.spec.rejection_sampler import rejection_sample
 from specdecode.tokenizer import eos_ids, load_tokenizer
@@ -67,10 +67,24 @@ class LLMEngine:
         self.scheduler = Scheduler(c.max_num_seqs, c.max_waiting_requests)
         self.spec_stats = SpecDecodeStats()
         self.costs = CostModel()
+        if spec is not None and spec.adaptive:
+            self.costs = self.calibrate_costs()
         self._parents: dict[str, list[Request]] = {}
         self._counter = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+
+    def calibrate_costs(self) -> CostModel:
+        """Time target passes and draft steps for adaptive k (a few seconds on a CPU). Only while no
+        request is running: it uses cache slot 0 as scratch."""
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("calibrate_costs() needs an idle engine: it uses a cache slot as scratch.")
+        spec = self.config.speculative
+        t0 = time.perf_counter()
+        costs = calibrate(self.target, getattr(self.proposer, "runner", None),
+                          spec.num_speculative_tokens if spec is not None else 1, self.max_model_len)
+        logger.info("Calibrated adaptive speculation costs in %.1f s", time.perf_counter() - t0)
+        return costs
 
     @classmethod
     def from_kwargs(cls, **kw) -> "LLMEngine":
@@ -167,7 +181,8 @@ class LLMEngine:
         left = min(r.max_tokens - r.num_output_tokens - 1, self.max_model_len - len(r.all_token_ids))
         k = max(0, min(spec.num_speculative_tokens, left))
         if spec.adaptive and k:
-            k = next_k(k, r.acceptance, self.costs, draft_is_free=spec.method == "ngram", state=r)
+            k = next_k(k, r.acceptance, self.costs, draft_is_free=spec.method == "ngram", state=r,
+                       context=len(r.all_token_ids))
         return k
 
     def _decode(self, reqs: list[Request]) -> None:
@@ -175,15 +190,9 @@ class LLMEngine:
         drafts, draft_probs = [[] for _ in reqs], None
         if any(ks):
             prop = self.proposer.propose(reqs, ks)
-            if len(reqs) == 1:  # the cost model is per request; batched passes would skew it
-                for seconds in prop.step_seconds:
-                    self.costs.observe_draft(seconds)
             drafts, draft_probs = prop.tokens, prop.probs
         seqs = [(r.slot, r.num_computed, [r.all_token_ids[-1]] + d) for r, d in zip(reqs, drafts)]
-        t0 = time.perf_counter()
         logits = self.target.forward_rows(seqs, all_logits=True)
-        if len(reqs) == 1:  # the cost model is per request; batched passes would skew it
-            self.costs.observe_verify(len(seqs[0][2]), time.perf_counter() - t0)
         kmax = max(len(d) for d in drafts)
         dt = torch.zeros(len(reqs), kmax, dtype=torch.long)
         for i, d in enumerate(drafts):

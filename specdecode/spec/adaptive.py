@@ -6,8 +6,9 @@ boilerplate code) and a rejection usually ends one. So each request keeps two ra
 ``next``, the chance that a draft token following an accepted token is accepted too; after a fully accepted
 verification the next step's first token counts as a ``next`` one. Drafting k tokens then yields
 1 + p1 * (1 + q + ... + q^(k-1)) tokens per target pass, with p1 the rate for the step's first token and q
-the ``next`` rate. That pass costs verify(k+1 rows) plus k draft steps; both are measured online, and the
-k with the most tokens per second wins, k = 0 (plain decoding) whenever the draft is too slow or too often
+the ``next`` rate. That pass costs verify(k+1 rows) plus k draft steps, both timed once when the engine starts
+(``calibrate``) after a short and a long context, and interpolated to the request's length; the k with
+the most tokens per second wins, k = 0 (plain decoding) whenever the draft is too slow or too often
 wrong. So a request drafts short while it is between runs and deep inside one.
 
 Requests at k = 0 are probed with k = 1 now and then, so a request whose text turns predictable gets
@@ -17,9 +18,9 @@ the counts seen on earlier requests, not a guess.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
-_EMA = 0.3
 _REQUEST_DECAY = 0.8   # per verification: a request's counts follow its text as it changes
 _PRIOR_DECAY = 0.98    # the engine-wide counts new requests start from
 _PRIOR_WEIGHT = 2.0    # pseudo-trials of the engine-wide rate in a request's estimate
@@ -80,46 +81,122 @@ def _prior() -> Acceptance:
 
 @dataclass
 class CostModel:
-    verify: dict[int, float] = field(default_factory=dict)  # rows per request -> seconds per pass
-    draft_step: float | None = None                          # seconds per draft step
-    prior: Acceptance = field(default_factory=_prior)        # acceptance counts over all requests
+    """Seconds of a target pass over r rows and of one draft step, at a few context lengths.
 
-    def observe_verify(self, rows: int, seconds: float) -> None:
-        old = self.verify.get(rows)
-        self.verify[rows] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
+    Filled once by ``calibrate`` (or ``add``), not learned online: on a shared machine the speed drifts by
+    tens of percent within seconds, and online averages per row count, each taken at a different moment,
+    turned that drift into fake differences between k values (a stale dear 5-row reading kept k at 1). The
+    calibration times every row count within the same round, so drift hits all of them alike; only the
+    ratios between them matter to ``choose_k``."""
+    verify: dict[int, dict[int, float]] = field(default_factory=dict)  # context -> rows -> seconds per pass
+    draft: dict[int, float] = field(default_factory=dict)              # context -> seconds per draft step
+    prior: Acceptance = field(default_factory=_prior)                  # acceptance counts over all requests
 
-    def observe_draft(self, seconds: float) -> None:
-        """One steady-state draft pass (one new token per request)."""
-        old = self.draft_step
-        self.draft_step = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
+    def add(self, context: int, rows: int, seconds: float) -> None:
+        self.verify.setdefault(context, {})[rows] = seconds
+
+    def add_draft(self, context: int, seconds: float) -> None:
+        self.draft[context] = seconds
 
     def observe_acceptance(self, request: Acceptance, drafted: int, accepted: int) -> None:
         """Record one verification in a request's counts and in the engine-wide ones."""
         self.prior.observe(drafted, accepted, in_run=request.in_run)
         request.observe(drafted, accepted)
 
-    def verify_cost(self, rows: int) -> float | None:
-        """Seconds for a pass over `rows` rows: measured or interpolated, and never below the cost of
-        fewer rows (a pass over more rows cannot be cheaper; a noisy low reading must not lure k up)."""
-        known = sorted(self.verify)
-        if not known:
-            return None
-        floor = max((self.verify[r] for r in known if r < rows), default=0.0)
-        return max(floor, self._interpolated(rows, known))
+    def verify_cost(self, rows: int, context: int = 0) -> float | None:
+        """Seconds for a pass over `rows` rows after `context` tokens, interpolated between calibrated row
+        counts and contexts, and never below the cost of fewer rows."""
+        return _across_contexts({c: _rows_cost(t, rows) for c, t in self.verify.items()}, context)
 
-    def _interpolated(self, rows: int, known: list[int]) -> float:
-        if rows in self.verify:
-            return self.verify[rows]
-        # Interpolate linearly between measured row counts (extrapolate from the two nearest).
-        lo = max((r for r in known if r <= rows), default=known[0])
-        hi = min((r for r in known if r >= rows), default=known[-1])
-        if lo == hi:
-            if len(known) < 2:
-                return self.verify[lo]
-            a, b = known[-2:] if rows > known[-1] else known[:2]
-            lo, hi = a, b
-        t = (rows - lo) / (hi - lo)
-        return self.verify[lo] + t * (self.verify[hi] - self.verify[lo])
+    def draft_cost(self, context: int = 0) -> float | None:
+        return _across_contexts(self.draft, context)
+
+
+def _linear(x: float, x0: float, y0: float, x1: float, y1: float) -> float:
+    return y0 if x1 == x0 else y0 + (x - x0) / (x1 - x0) * (y1 - y0)
+
+
+def _rows_cost(table: dict[int, float], rows: int) -> float:
+    known = sorted(table)
+    floor = max((table[r] for r in known if r < rows), default=0.0)
+    if rows in table:
+        return max(floor, table[rows])
+    lo = max((r for r in known if r <= rows), default=known[0])
+    hi = min((r for r in known if r >= rows), default=known[-1])
+    if lo == hi:  # outside the calibrated rows: extrapolate from the two nearest
+        if len(known) < 2:
+            return max(floor, table[lo])
+        lo, hi = known[-2:] if rows > known[-1] else known[:2]
+    return max(floor, _linear(rows, lo, table[lo], hi, table[hi]))
+
+
+def _across_contexts(by_context: dict[int, float], context: int) -> float | None:
+    """Linear in the context length (attention work grows linearly), flat below the shortest calibrated
+    context, extrapolated (never downwards) beyond the longest."""
+    known = sorted(by_context)
+    if not known:
+        return None
+    if len(known) == 1 or context <= known[0]:
+        return by_context[known[0]]
+    hi = next((c for c in known if c >= context), None)
+    if hi is None:
+        c0, c1 = known[-2:]
+        return max(by_context[c1], _linear(context, c0, by_context[c0], c1, by_context[c1]))
+    lo = max(c for c in known if c < context)
+    return _linear(context, lo, by_context[lo], hi, by_context[hi])
+
+
+def calibration_rows(k_max: int) -> list[int]:
+    """Row counts timed by ``calibrate``: 1-3, then doubling, and k_max + 1 (the rest is interpolated)."""
+    rows, r = {1, 2, 3, k_max + 1}, 3
+    while r < k_max + 1:
+        r = 2 * r - 1
+        rows.add(min(r, k_max + 1))
+    return sorted(x for x in rows if x <= k_max + 1)
+
+
+def calibrate(target, draft, k_max: int, max_len: int, repeats: int = 5,
+              contexts: tuple[int, ...] = (32, 512)) -> CostModel:
+    """Time target passes over 1..k_max+1 rows (see calibration_rows) and, with a draft runner, one draft
+    step, after each of a short and a long context, on cache slot 0 (call it while no request runs: the
+    slot's content is left as scratch). Each round times every row count and the draft step back to back,
+    after one untimed warm-up round."""
+    import statistics
+
+    import torch
+
+    sizes = calibration_rows(k_max)
+    costs = CostModel()
+    gen = torch.Generator().manual_seed(0)
+    vocab = min(target.vocab_size, draft.vocab_size if draft is not None else target.vocab_size)
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+    for ctx in sorted({max(1, min(c, max_len - k_max - 2)) for c in contexts}):
+        ids = torch.randint(0, vocab, (ctx + k_max + 1,), generator=gen).tolist()
+        with torch.inference_mode():
+            target.prefill(0, ids[:ctx])
+            if draft is not None:
+                draft.prefill(0, ids[:ctx])
+            times: dict[int, list[float]] = {n: [] for n in sizes + [0]}  # 0: the draft step
+            for rnd in range(repeats + 1):
+                for n in sizes + ([0] if draft is not None else []):
+                    runner, rows = (target, ids[ctx:ctx + n]) if n else (draft, ids[ctx:ctx + 1])
+                    sync()
+                    t0 = time.perf_counter()
+                    out = runner.forward_rows([(0, ctx, rows)], all_logits=n > 0)
+                    int(out[0][-1].argmax())  # the step's own use of its logits (and a device sync)
+                    if rnd:
+                        times[n].append(time.perf_counter() - t0)
+        # Each cost as the median of its ratio to the 1-row pass of the same round (drift cancels within a
+        # round), times the median 1-row pass.
+        one = statistics.median(times[1])
+        for n, ts in times.items():
+            if ts:
+                ratio = statistics.median(t / t1 for t, t1 in zip(ts, times[1]))
+                if n:
+                    costs.add(ctx, n, one * ratio)
+                else:
+                    costs.add_draft(ctx, one * ratio)
+    return costs
 
 
 def expected_tokens(p1: float, q: float, k: int) -> float:
@@ -130,30 +207,29 @@ def expected_tokens(p1: float, q: float, k: int) -> float:
     return 1.0 + p1 * run
 
 
-def choose_k(p1: float, q: float, k_max: int, costs: CostModel, draft_is_free: bool) -> int:
-    """The k in 0..k_max with the best expected tokens per second; k_max while costs are unmeasured."""
-    base = costs.verify_cost(1)
-    step = 0.0 if draft_is_free else costs.draft_step
+def choose_k(p1: float, q: float, k_max: int, costs: CostModel, draft_is_free: bool, context: int = 0) -> int:
+    """The k in 0..k_max with the best expected tokens per second after `context` tokens; k_max while
+    costs are not calibrated."""
+    base = costs.verify_cost(1, context)
+    step = 0.0 if draft_is_free else costs.draft_cost(context)
     if base is None or step is None:
         return k_max
     best_k, best = 0, 1.0 / base
     for k in range(1, k_max + 1):
-        v = costs.verify_cost(k + 1)
-        if v is None:
-            return k_max
-        rate = expected_tokens(p1, q, k) / (v + k * step)
-        # Demand a margin: costs are measured on a noisy machine and acceptance is an estimate, so leaving
-        # plain decoding must promise a clear gain (10%), and a deeper k a small one (2%).
+        rate = expected_tokens(p1, q, k) / (costs.verify_cost(k + 1, context) + k * step)
+        # Demand a margin: acceptance is an estimate and the machine's speed drifts, so leaving plain
+        # decoding must promise a clear gain (10%), and a deeper k a small one (2%).
         if rate > best * (_MARGIN_OFF if best_k == 0 else _MARGIN_DEEPER):
             best_k, best = k, rate
     return best_k
 
 
-def next_k(k_max: int, acceptance: Acceptance, costs: CostModel, draft_is_free: bool, state) -> int:
+def next_k(k_max: int, acceptance: Acceptance, costs: CostModel, draft_is_free: bool, state,
+           context: int = 0) -> int:
     """The k for this step of one request. ``state`` carries ``steps_without_spec`` and ``probe_every``
     (a Request) and is updated: a chosen k > 0 resets probing, a probe doubles the wait for the next."""
     p1, q = acceptance.rates(costs.prior)
-    chosen = choose_k(p1, q, k_max, costs, draft_is_free)
+    chosen = choose_k(p1, q, k_max, costs, draft_is_free, context)
     if chosen:
         state.steps_without_spec, state.probe_every = 0, PROBE_EVERY
         return chosen

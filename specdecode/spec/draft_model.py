@@ -1,8 +1,6 @@
 """A small draft model proposes k tokens autoregressively on its own KV cache, batched over requests."""
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn as nn
 
@@ -59,7 +57,7 @@ class DraftModelProposer:
         if vocab_ids is not None and len(vocab_ids) < model.args.vocab_size:
             model.lm_head = TruncatedHead(model.lm_head, vocab_ids, model.args.vocab_size)
 
-    def _catch_up(self, requests: list, step_seconds: list[float]) -> list[torch.Tensor]:
+    def _catch_up(self, requests: list) -> list[torch.Tensor]:
         """Feed each request's tokens the draft has not seen; return each one's next-token logits [V]."""
         out: list[torch.Tensor | None] = [None] * len(requests)
         rows, idx = [], []
@@ -72,12 +70,8 @@ class DraftModelProposer:
                 idx.append(i)
             r.draft_computed = len(r.all_token_ids)
         if rows:
-            t0 = time.perf_counter()
             for i, lg in zip(idx, self.runner.forward_rows(rows, all_logits=False)):
                 out[i] = lg[0]
-            # After a verification the draft normally sees the bonus token plus at most one accepted draft.
-            if len(rows) == len(requests) and max(len(toks) for _, _, toks in rows) <= 2:
-                step_seconds.append(time.perf_counter() - t0)
         return out
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
@@ -105,7 +99,7 @@ class DraftModelProposer:
                 if found and not requests[i].params.greedy:
                     probs[i, torch.arange(len(found)), torch.tensor(found)] = 1.0
         tokens = [found or drafted for found, drafted in zip(looked, prop.tokens)]
-        return Proposal(tokens, probs, prop.step_seconds)
+        return Proposal(tokens, probs)
 
     def _draft(self, requests: list, ks: list[int]) -> Proposal:
         active = [i for i, k in enumerate(ks) if k > 0]
@@ -116,8 +110,7 @@ class DraftModelProposer:
                  if need_probs and kmax else None)
         if not active:
             return Proposal(tokens, probs)
-        step_seconds: list[float] = []
-        logits = dict(zip(active, self._catch_up([requests[i] for i in active], step_seconds)))
+        logits = dict(zip(active, self._catch_up([requests[i] for i in active])))
         for step in range(kmax):
             feed = []
             for i in list(active):
@@ -139,14 +132,12 @@ class DraftModelProposer:
                     feed.append(i)
             if not feed:
                 break
-            t0 = time.perf_counter()
             outs = self.runner.forward_rows(
                 [(requests[i].slot, requests[i].draft_computed, [tokens[i][-1]]) for i in feed], all_logits=False)
-            step_seconds.append(time.perf_counter() - t0)
             for i, lg in zip(feed, outs):
                 requests[i].draft_computed += 1
                 logits[i] = lg[0]
-        return Proposal(tokens, probs, step_seconds)
+        return Proposal(tokens, probs)
 
     def rollback(self, request, valid_len: int) -> None:
         request.draft_computed = min(request.draft_computed, valid_len)
