@@ -54,7 +54,7 @@ def test_acceptance_counts_first_tokens_and_tokens_inside_a_run_apart():
     assert (a.first_ok, a.first_n, a.next_ok, a.next_n, a.in_run) == (2, 3, 3, 4, True)
     a.observe(4, 1)  # inside a run: every trial is a "next" one
     assert (a.first_ok, a.first_n, a.next_ok, a.next_n, a.in_run) == (2, 3, 4, 6, False)
-    assert a.rates() == (pytest.approx(2 / 3), pytest.approx(4 / 6))
+    assert a.rates() == (pytest.approx(2.7 / 4), pytest.approx(4.7 / 7))  # plus one neutral trial at 0.7
     a.observe(2, 2)
     assert a.in_run and a.rates()[0] == a.rates()[1]  # inside a run the first token is a "next" one
     a.observe(0, 0)  # a plain step ends the run and teaches nothing
@@ -167,3 +167,24 @@ def test_a_busy_engine_refuses_to_calibrate(one_thread, llm_cache, tiny_models):
         eng.abort_request("busy")
         while eng.has_unfinished_requests():
             eng.step()
+
+
+def test_a_rate_nobody_observes_drifts_back_instead_of_freezing():
+    c = CostModel()
+    for _ in range(30):
+        c.observe_acceptance(Acceptance(), 4, 1)  # the second token always fails: "next" looks hopeless
+    assert c.prior.kind_rates()[1] < 0.1
+    for _ in range(300):
+        c.observe_acceptance(Acceptance(), 1, 1)  # single-token drafts teach only the "first" rate
+    assert c.prior.kind_rates()[1] > 0.5
+
+
+def test_a_run_always_drafts_at_least_one_more_token():
+    class State:
+        steps_without_spec, probe_every = 0, PROBE_EVERY
+
+    dear = _costs({1: 0.10, 2: 0.20, 4: 0.40}, 0.05)  # nothing pays
+    a = Acceptance(decay=1.0, first_ok=9, first_n=10, next_ok=1, next_n=10)
+    assert next_k(3, a, dear, draft_is_free=False, state=State()) == 0
+    a.observe(1, 1)
+    assert a.in_run and next_k(3, a, dear, draft_is_free=False, state=State()) == 1

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 _REQUEST_DECAY = 0.8   # per verification: a request's counts follow its text as it changes
 _PRIOR_DECAY = 0.98    # the engine-wide counts new requests start from
 _PRIOR_WEIGHT = 2.0    # pseudo-trials of the engine-wide rate in a request's estimate
+_NEUTRAL_WEIGHT = 1.0  # pseudo-trials at 0.7 in the engine-wide estimate
 _MARGIN_OFF, _MARGIN_DEEPER = 1.10, 1.02
 PROBE_EVERY = 8        # steps at k = 0 before the first probe
 MAX_PROBE_EVERY = 64
@@ -62,8 +63,10 @@ class Acceptance:
 
     def kind_rates(self, prior: "Acceptance | None" = None) -> tuple[float, float]:
         """(first, next) rates; with a prior, each is smoothed by _PRIOR_WEIGHT pseudo-trials of its rates."""
+        # Without a prior (the engine-wide counts themselves): a fixed pseudo-trial at 0.7 that never decays,
+        # so a rate nobody observes any more drifts back to a neutral guess instead of freezing.
         pf, pn = prior.kind_rates() if prior is not None else (0.7, 0.7)
-        w = _PRIOR_WEIGHT if prior is not None else 0.0
+        w = _PRIOR_WEIGHT if prior is not None else _NEUTRAL_WEIGHT
         first = (self.first_ok + w * pf) / (self.first_n + w) if self.first_n + w > 0 else pf
         nxt = (self.next_ok + w * pn) / (self.next_n + w) if self.next_n + w > 0 else pn
         return first, nxt
@@ -75,8 +78,7 @@ class Acceptance:
 
 
 def _prior() -> Acceptance:
-    # One pseudo-trial at 0.7 each until real verifications come in.
-    return Acceptance(decay=_PRIOR_DECAY, first_ok=0.7, first_n=1.0, next_ok=0.7, next_n=1.0)
+    return Acceptance(decay=_PRIOR_DECAY)  # the neutral pseudo-trial stands in until verifications come in
 
 
 @dataclass
@@ -230,6 +232,10 @@ def next_k(k_max: int, acceptance: Acceptance, costs: CostModel, draft_is_free: 
     (a Request) and is updated: a chosen k > 0 resets probing, a probe doubles the wait for the next."""
     p1, q = acceptance.rates(costs.prior)
     chosen = choose_k(p1, q, k_max, costs, draft_is_free, context)
+    if not chosen and acceptance.in_run:
+        # Every draft of the last step was accepted. Stopping here would leave the "next" rate (the one a
+        # run is judged by) unobserved; a stale low value would then stop every run at its first token.
+        chosen = 1
     if chosen:
         state.steps_without_spec, state.probe_every = 0, PROBE_EVERY
         return chosen
