@@ -188,3 +188,11 @@ def test_a_run_always_drafts_at_least_one_more_token():
     assert next_k(3, a, dear, draft_is_free=False, state=State()) == 0
     a.observe(1, 1)
     assert a.in_run and next_k(3, a, dear, draft_is_free=False, state=State()) == 1
+
+
+def test_calibration_fits_a_tiny_max_model_len(one_thread, llm_cache, tiny_models):
+    llm = llm_cache.get(tiny_models["llama"], speculative_model="[ngram]", num_speculative_tokens=8,
+                        speculative_adaptive=True, max_model_len=8)
+    assert all(max(t) + min(llm.engine.costs.verify) <= 8 for t in llm.engine.costs.verify.values())
+    plain = llm_cache.get(tiny_models["llama"], max_model_len=8)
+    assert gen_ids(llm, [[5, 6]], max_tokens=5, **GREEDY) == gen_ids(plain, [[5, 6]], max_tokens=5, **GREEDY)

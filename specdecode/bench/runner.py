@@ -295,6 +295,7 @@ class BenchRunner:
         self._spec: dict[str, object] = {}
         self._model_mb: dict[str | None, float] = {}
         self._costs: dict[str, object] = {}
+        self._calibrated = None  # adaptive k: the engine's cost calibration, copied per config
         self.draft_path = None
         self._ngram_mins: dict[str, int] = {}
 
@@ -335,7 +336,6 @@ class BenchRunner:
             if runner is not None:
                 self._weight_bytes["draft"] = linear_weight_bytes(runner.model)
         self.memory_bandwidth_gbps = measure_memory_bandwidth()
-        # Adaptive k: one calibration (with the draft model when there is one); each config starts from a copy.
         self._calibrated = eng.calibrate_costs() if s.adaptive else None
         from specdecode.config import SpeculativeConfig
         base = eng.config.speculative

@@ -167,6 +167,7 @@ def calibrate(target, draft, k_max: int, max_len: int, repeats: int = 5,
 
     import torch
 
+    k_max = max(1, min(k_max, max_len - 2))  # a context of at least 1 plus k_max + 1 rows must fit
     sizes = calibration_rows(k_max)
     costs = CostModel()
     gen = torch.Generator().manual_seed(0)
