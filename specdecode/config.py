@@ -45,7 +45,8 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     # Stop drafting once the draft's top probability drops below this (llama.cpp's --draft-p-min).
     draft_p_min: float = 0.0
-    # Choose k per request from measured acceptance and costs (k may drop to 0).
+    # Choose k per request (k may drop to 0) from acceptance measured online and the costs of verify passes and
+    # draft steps, timed when the engine starts (spec/adaptive.py).
     adaptive: bool = False
     # Draft model only: score just the N lowest token ids (in a BPE vocabulary, the earliest merges, i.e. the
     # most frequent tokens) plus the special tokens in the draft's LM head. The head is a large share of a

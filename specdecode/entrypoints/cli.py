@@ -132,7 +132,8 @@ def _add_model_flags(p: argparse.ArgumentParser, draft_help: str, with_k: bool =
         g.add_argument("--draft", "--num-speculative-tokens", dest="draft", metavar="K", type=_int_at_least(1, 16),
                        default=5, help="tokens drafted per step, 1..16 (default 5)")
     g.add_argument("--adaptive", action="store_true",
-                   help="choose k per step (up to the given k) from measured acceptance and costs")
+                   help="choose k per step (up to the given k) from the acceptance measured so far and the costs "
+                        "timed when the engine starts (a few seconds)")
     if with_k:
         g.add_argument("--draft-p-min", type=_float_in(0.0, 1.0), default=0.0, metavar="P",
                        help="stop drafting once the draft model's top probability falls below P (llama.cpp's "
