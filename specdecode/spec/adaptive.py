@@ -163,8 +163,6 @@ def calibrate(target, draft, k_max: int, max_len: int, repeats: int = 5,
     step, after each of a short and a long context, on cache slot 0 (call it while no request runs: the
     slot's content is left as scratch). Each round times every row count and the draft step back to back,
     after one untimed warm-up round."""
-    import statistics
-
     import torch
 
     k_max = max(1, min(k_max, max_len - 2))  # a context of at least 1 plus k_max + 1 rows must fit
@@ -189,16 +187,15 @@ def calibrate(target, draft, k_max: int, max_len: int, repeats: int = 5,
                     int(out[0][-1].argmax())  # the step's own use of its logits (and a device sync)
                     if rnd:
                         times[n].append(time.perf_counter() - t0)
-        # Each cost as the median of its ratio to the 1-row pass of the same round (drift cancels within a
-        # round), times the median 1-row pass.
-        one = statistics.median(times[1])
+        # Each cost is its fastest round. Interference from other work on the machine only ever slows a
+        # pass down, so the minimum is the steadiest estimate of a pass's own cost (medians of per-round
+        # ratios still moved the draft/verify ratio by 0.26-0.41 between calibrations).
         for n, ts in times.items():
             if ts:
-                ratio = statistics.median(t / t1 for t, t1 in zip(ts, times[1]))
                 if n:
-                    costs.add(ctx, n, one * ratio)
+                    costs.add(ctx, n, min(ts))
                 else:
-                    costs.add_draft(ctx, one * ratio)
+                    costs.add_draft(ctx, min(ts))
     return costs
 
 
