@@ -88,8 +88,8 @@ class CostModel:
     Filled once by ``calibrate`` (or ``add``), not learned online: on a shared machine the speed drifts by
     tens of percent within seconds, and online averages per row count, each taken at a different moment,
     turned that drift into fake differences between k values (a stale dear 5-row reading kept k at 1). The
-    calibration times every row count within the same round, so drift hits all of them alike; only the
-    ratios between them matter to ``choose_k``."""
+    calibration times every row count back to back, round after round, and keeps each one's fastest round;
+    only the ratios between them matter to ``choose_k``."""
     verify: dict[int, dict[int, float]] = field(default_factory=dict)  # context -> rows -> seconds per pass
     draft: dict[int, float] = field(default_factory=dict)              # context -> seconds per draft step
     prior: Acceptance = field(default_factory=_prior)                  # acceptance counts over all requests
