@@ -94,18 +94,15 @@ def _high() -> Acceptance:
 
 
 def test_probes_back_off_while_speculation_does_not_pay_and_reset_when_it_does():
-    class State:
-        steps_without_spec, probe_every = 0, PROBE_EVERY
-
     dear = _costs({1: 0.10, 2: 0.20, 4: 0.40}, 0.05)  # nothing pays: every decision is k = 0
-    s = State()
-    ks = [next_k(3, _high(), dear, draft_is_free=False, state=s) for _ in range(PROBE_EVERY * 7)]
+    s = _high()  # its probing state is kept with its counts
+    ks = [next_k(3, s, dear, draft_is_free=False) for _ in range(PROBE_EVERY * 7)]
     probes = [i for i, k in enumerate(ks) if k]
     assert set(ks) <= {0, 1}
     gaps = [b - a for a, b in zip([-1] + probes, probes)]
     assert gaps == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY]  # each unfruitful probe doubles the wait
     cheap = _costs({1: 0.10, 2: 0.10, 4: 0.10}, 0.0)
-    assert next_k(3, _high(), cheap, draft_is_free=True, state=s) == 3
+    assert next_k(3, s, cheap, draft_is_free=True) == 3
     assert (s.steps_without_spec, s.probe_every) == (0, PROBE_EVERY)
 
 
@@ -180,14 +177,11 @@ def test_a_rate_nobody_observes_drifts_back_instead_of_freezing():
 
 
 def test_a_run_always_drafts_at_least_one_more_token():
-    class State:
-        steps_without_spec, probe_every = 0, PROBE_EVERY
-
     dear = _costs({1: 0.10, 2: 0.20, 4: 0.40}, 0.05)  # nothing pays
     a = Acceptance(decay=1.0, first_ok=9, first_n=10, next_ok=1, next_n=10)
-    assert next_k(3, a, dear, draft_is_free=False, state=State()) == 0
+    assert next_k(3, a, dear, draft_is_free=False) == 0
     a.observe(1, 1)
-    assert a.in_run and next_k(3, a, dear, draft_is_free=False, state=State()) == 1
+    assert a.in_run and next_k(3, a, dear, draft_is_free=False) == 1
 
 
 def test_calibration_fits_a_tiny_max_model_len(one_thread, llm_cache, tiny_models):
@@ -196,3 +190,35 @@ def test_calibration_fits_a_tiny_max_model_len(one_thread, llm_cache, tiny_model
     assert all(max(t) + min(llm.engine.costs.verify) <= 8 for t in llm.engine.costs.verify.values())
     plain = llm_cache.get(tiny_models["llama"], max_model_len=8)
     assert gen_ids(llm, [[5, 6]], max_tokens=5, **GREEDY) == gen_ids(plain, [[5, 6]], max_tokens=5, **GREEDY)
+
+
+def test_lookup_and_draft_model_acceptance_are_kept_apart():
+    c = CostModel()
+    for _ in range(50):
+        c.observe_acceptance(Acceptance(), 4, 0, lookup=True)  # looked-up drafts always fail
+        c.observe_acceptance(Acceptance(), 4, 4)                # the draft model's always pass
+    assert c.lookup_prior.kind_rates()[0] < 0.05 and c.prior.kind_rates()[0] > 0.95
+
+
+def test_hybrid_turns_off_failing_lookups_but_keeps_a_good_draft_model(one_thread, llm_cache, tiny_models,
+                                                                        monkeypatch):
+    import specdecode.spec.draft_model as dm
+
+    plain = gen_ids(llm_cache.get(tiny_models["llama"]), PROMPTS, max_tokens=24, **GREEDY)
+    # The target drafting for itself: every draft-model token is accepted.
+    llm = llm_cache.get(tiny_models["llama"], speculative_model=tiny_models["llama"], num_speculative_tokens=3,
+                        speculative_adaptive=True, speculative_ngram_first=True)
+    eng = llm.engine
+    saved = eng.costs
+    eng.costs = _costs({1: 0.10, 2: 0.10, 3: 0.10, 4: 0.10}, 0.01)  # drafting pays whenever drafts are accepted
+    bad = next(t for t in range(1, 500) if all(t not in out for out in plain))
+    monkeypatch.setattr(dm, "ngram_lookup", lambda tokens, k, lo, hi: [bad] * k)  # a "match" every step, always wrong
+    try:
+        for p, want in zip(PROMPTS * 2, plain * 2):
+            assert gen_ids(llm, [p], max_tokens=24, **GREEDY)[0] == want
+        s = eng.spec_stats
+        # Lookups lose their turn once their own rate is known; the draft model then drafts nearly every step.
+        assert eng.costs.lookup_prior.kind_rates()[0] < 0.3
+        assert s.num_accepted_tokens / s.num_draft_tokens > 0.6
+    finally:
+        eng.costs = saved

@@ -234,7 +234,7 @@ class DraftPrefillTimer:
         self.inner = inner
         self.elapsed = 0.0
 
-    def propose(self, requests: list, ks: list[int]):
+    def propose(self, requests: list, ks: list[int], *lookup_ks):
         runner = getattr(self.inner, "runner", None)
         for r, k in zip(requests, ks):
             if k > 0 and runner is not None and getattr(r, "draft_computed", None) == 0 and len(r.all_token_ids) > 1:
@@ -242,7 +242,7 @@ class DraftPrefillTimer:
                 runner.prefill(r.slot, r.all_token_ids[:-1])
                 r.draft_computed = len(r.all_token_ids) - 1
                 self.elapsed += time.perf_counter() - t0
-        return self.inner.propose(requests, ks)
+        return self.inner.propose(requests, ks, *lookup_ks)
 
     def rollback(self, request, valid_len: int) -> None:
         self.inner.rollback(request, valid_len)
@@ -345,8 +345,11 @@ class BenchRunner:
                                                        prompt_lookup_min=ngram_min, prompt_lookup_max=s.ngram_max,
                                                        adaptive=s.adaptive)
             elif c.method in ("draft", "hybrid"):
-                self._spec[c.name] = dataclasses.replace(base, num_speculative_tokens=c.k, adaptive=s.adaptive,
-                                                         draft_p_min=c.p_min)
+                hybrid = c.method == "hybrid"
+                self._spec[c.name] = dataclasses.replace(
+                    base, num_speculative_tokens=c.k, adaptive=s.adaptive, draft_p_min=c.p_min, ngram_first=hybrid,
+                    prompt_lookup_min=hybrid_min if hybrid else base.prompt_lookup_min,
+                    prompt_lookup_max=s.ngram_max if hybrid else base.prompt_lookup_max)
         has_template = bool(getattr(eng.tokenizer, "chat_template", None))
         if s.chat_template == "on" and not has_template:
             raise ValueError("--chat-template on: this model's tokenizer has no chat template")

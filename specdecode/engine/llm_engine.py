@@ -16,6 +16,7 @@ from specdecode.outputs import RequestOutput
 from specdecode.sampling_params import SamplingParams
 from specdecode.spec.adaptive import CostModel, calibrate, next_k
 from specdecode.spec.metrics import SpecDecodeStats
+from specdecode.spec.proposer import Proposal
 from specdecode.spec.rejection_sampler import rejection_sample
 from specdecode.tokenizer import eos_ids, load_tokenizer
 
@@ -174,23 +175,38 @@ class LLMEngine:
         r.metrics.first_token_time = time.time()
         self._commit(r, result.tokens[0], logits[None])
 
-    def _spec_budget(self, r: Request, n_running: int) -> int:
+    def _spec_budget(self, r: Request, n_running: int) -> tuple[int, int]:
+        """(draft-model k, lookup k) for this step of r: the configured k, clamped to the tokens left, and
+        with adaptive k chosen per draft kind from its own acceptance."""
         spec = self.config.speculative
         if self.proposer is None or (spec.disable_by_batch_size and n_running >= spec.disable_by_batch_size):
-            return 0
+            return 0, 0
         left = min(r.max_tokens - r.num_output_tokens - 1, self.max_model_len - len(r.all_token_ids))
         k = max(0, min(spec.num_speculative_tokens, left))
-        if spec.adaptive and k:
-            k = next_k(k, r.acceptance, self.costs, draft_is_free=spec.method == "ngram", state=r,
-                       context=len(r.all_token_ids))
-        return k
+        lookup = spec.method == "ngram" or spec.ngram_first
+        drafting = spec.method != "ngram"
+        if not (spec.adaptive and k):
+            return k * drafting, k * lookup
+        ctx = len(r.all_token_ids)
+        return (next_k(k, r.acceptance, self.costs, False, ctx) if drafting else 0,
+                next_k(k, r.lookup_acceptance, self.costs, True, ctx) if lookup else 0)
+
+    def _propose(self, reqs: list[Request], n_running: int) -> Proposal:
+        budgets = [self._spec_budget(r, n_running) for r in reqs]
+        ks, lookup_ks = [b[0] for b in budgets], [b[1] for b in budgets]
+        spec = self.config.speculative
+        if not any(ks) and not any(lookup_ks):
+            return Proposal([[] for _ in reqs])
+        if spec.method == "ngram":
+            return self.proposer.propose(reqs, lookup_ks)
+        if spec.ngram_first:
+            return self.proposer.propose(reqs, ks, lookup_ks)
+        return self.proposer.propose(reqs, ks)
 
     def _decode(self, reqs: list[Request]) -> None:
-        ks = [self._spec_budget(r, len(reqs)) for r in reqs]
-        drafts, draft_probs = [[] for _ in reqs], None
-        if any(ks):
-            prop = self.proposer.propose(reqs, ks)
-            drafts, draft_probs = prop.tokens, prop.probs
+        prop = self._propose(reqs, len(reqs))
+        drafts, draft_probs = prop.tokens, prop.probs
+        looked_up = prop.looked_up or [False] * len(reqs)
         seqs = [(r.slot, r.num_computed, [r.all_token_ids[-1]] + d) for r, d in zip(reqs, drafts)]
         logits = self.target.forward_rows(seqs, all_logits=True)
         kmax = max(len(d) for d in drafts)
@@ -207,7 +223,10 @@ class LLMEngine:
             r.num_computed = len(r.all_token_ids) + a  # rejected drafts' KV stays in place, just past the length
             if self.proposer is not None:
                 self.proposer.rollback(r, len(r.all_token_ids) + a)
-            self.costs.observe_acceptance(r.acceptance, len(drafts[i]), a)
+            # The kind that drafted learns from this step; for the other one it was a step without drafts.
+            used, idle = ((r.lookup_acceptance, r.acceptance) if looked_up[i] else (r.acceptance, r.lookup_acceptance))
+            self.costs.observe_acceptance(used, len(drafts[i]), a, lookup=looked_up[i])
+            idle.observe(0, 0)
             if drafts[i]:
                 r.metrics.spec_decode.record(len(drafts[i]), a)
                 self.spec_stats.record(len(drafts[i]), a)

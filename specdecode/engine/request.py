@@ -8,7 +8,7 @@ import torch
 
 from specdecode.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from specdecode.sampling_params import SamplingParams
-from specdecode.spec.adaptive import PROBE_EVERY, Acceptance
+from specdecode.spec.adaptive import Acceptance
 from specdecode.tokenizer import IncrementalDetokenizer
 
 
@@ -47,9 +47,9 @@ class Request:
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.metrics = RequestMetrics(arrival_time=time.time())
-        self.acceptance = Acceptance()  # adaptive k: this request's acceptance counts
-        self.steps_without_spec = 0
-        self.probe_every = PROBE_EVERY
+        # adaptive k: this request's acceptance of draft-model drafts and of drafts looked up in its context
+        self.acceptance = Acceptance()
+        self.lookup_acceptance = Acceptance()
 
     @property
     def output_token_ids(self) -> list[int]:

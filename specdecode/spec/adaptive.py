@@ -15,6 +15,10 @@ Requests at k = 0 are probed with k = 1 now and then, so a request whose text tu
 speculation back; each probe that does not bring speculation back doubles the wait before the next one
 (probes cost a verify pass, and for a draft model a catch-up pass too). A new request's rates start from
 the counts seen on earlier requests, not a guess.
+
+Drafts looked up in the prompt (n-gram) and drafts from a draft model succeed at very different rates in
+the same text, so each kind has its own counts, its own probing and its own engine-wide prior; with
+``ngram_first`` a request may look up deep while its draft model is off, or the other way round.
 """
 from __future__ import annotations
 
@@ -39,6 +43,8 @@ class Acceptance:
     next_ok: float = 0.0
     next_n: float = 0.0
     in_run: bool = False  # the last verification accepted every draft token
+    steps_without_spec: int = 0       # probing while k = 0 (see next_k)
+    probe_every: int = PROBE_EVERY
 
     def observe(self, drafted: int, accepted: int, in_run: bool | None = None) -> None:
         """One verification of `drafted` tokens of which the first `accepted` were kept (`in_run`: whether
@@ -92,7 +98,8 @@ class CostModel:
     only the ratios between them matter to ``choose_k``."""
     verify: dict[int, dict[int, float]] = field(default_factory=dict)  # context -> rows -> seconds per pass
     draft: dict[int, float] = field(default_factory=dict)              # context -> seconds per draft step
-    prior: Acceptance = field(default_factory=_prior)                  # acceptance counts over all requests
+    prior: Acceptance = field(default_factory=_prior)         # draft-model acceptance over all requests
+    lookup_prior: Acceptance = field(default_factory=_prior)  # the same for drafts looked up in the context
 
     def add(self, context: int, rows: int, seconds: float) -> None:
         self.verify.setdefault(context, {})[rows] = seconds
@@ -100,9 +107,12 @@ class CostModel:
     def add_draft(self, context: int, seconds: float) -> None:
         self.draft[context] = seconds
 
-    def observe_acceptance(self, request: Acceptance, drafted: int, accepted: int) -> None:
-        """Record one verification in a request's counts and in the engine-wide ones."""
-        self.prior.observe(drafted, accepted, in_run=request.in_run)
+    def prior_of(self, lookup: bool) -> Acceptance:
+        return self.lookup_prior if lookup else self.prior
+
+    def observe_acceptance(self, request: Acceptance, drafted: int, accepted: int, lookup: bool = False) -> None:
+        """Record one verification in a request's counts and in the engine-wide ones of its draft kind."""
+        self.prior_of(lookup).observe(drafted, accepted, in_run=request.in_run)
         request.observe(drafted, accepted)
 
     def verify_cost(self, rows: int, context: int = 0) -> float | None:
@@ -224,11 +234,12 @@ def choose_k(p1: float, q: float, k_max: int, costs: CostModel, draft_is_free: b
     return best_k
 
 
-def next_k(k_max: int, acceptance: Acceptance, costs: CostModel, draft_is_free: bool, state,
+def next_k(k_max: int, acceptance: Acceptance, costs: CostModel, draft_is_free: bool,
            context: int = 0) -> int:
-    """The k for this step of one request. ``state`` carries ``steps_without_spec`` and ``probe_every``
-    (a Request) and is updated: a chosen k > 0 resets probing, a probe doubles the wait for the next."""
-    p1, q = acceptance.rates(costs.prior)
+    """The k for this step of one request's drafts of one kind (free ones are looked up in the context).
+    Updates the probing state in ``acceptance``: a chosen k > 0 resets it, a probe doubles the wait."""
+    state = acceptance
+    p1, q = acceptance.rates(costs.prior_of(draft_is_free))
     chosen = choose_k(p1, q, k_max, costs, draft_is_free, context)
     if not chosen and acceptance.in_run:
         # Every draft of the last step was accepted. Stopping here would leave the "next" rate (the one a

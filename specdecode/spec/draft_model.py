@@ -84,22 +84,27 @@ class DraftModelProposer:
         pad = logits.new_full((*logits.shape[:-1], self.vocab - v), float("-inf"))
         return torch.cat([logits, pad], dim=-1)
 
-    def propose(self, requests: list, ks: list[int]) -> Proposal:
+    def propose(self, requests: list, ks: list[int], lookup_ks: list[int] | None = None) -> Proposal:
+        """Up to ks[i] draft-model tokens per request; with ngram_first, a lookup of up to lookup_ks[i]
+        tokens (default ks[i]) comes first and replaces them where it finds a match."""
         if self.ngram_first is None:
             return self._draft(requests, ks)
-        looked = [ngram_lookup(r.all_token_ids, k, *self.ngram_first) if k > 0 else [] for r, k in zip(requests, ks)]
+        lookup_ks = ks if lookup_ks is None else lookup_ks
+        looked = [ngram_lookup(r.all_token_ids, k, *self.ngram_first) if k > 0 else []
+                  for r, k in zip(requests, lookup_ks)]
         prop = self._draft(requests, [0 if found else k for found, k in zip(looked, ks)])
         if not any(looked):
             return prop
         probs = prop.probs
         width = max(len(t) for t in looked + prop.tokens)
         if probs is not None:  # some sampled request used the draft model: give looked-up drafts one-hot rows
-            probs = torch.cat([probs, probs.new_zeros(len(requests), width - probs.shape[1], self.vocab)], 1)
+            pad = max(0, width - probs.shape[1])  # the draft may have stopped early (p_min): never negative
+            probs = torch.cat([probs, probs.new_zeros(len(requests), pad, self.vocab)], 1)
             for i, found in enumerate(looked):
                 if found and not requests[i].params.greedy:
                     probs[i, torch.arange(len(found)), torch.tensor(found)] = 1.0
         tokens = [found or drafted for found, drafted in zip(looked, prop.tokens)]
-        return Proposal(tokens, probs)
+        return Proposal(tokens, probs, looked_up=[bool(found) for found in looked])
 
     def _draft(self, requests: list, ks: list[int]) -> Proposal:
         active = [i for i, k in enumerate(ks) if k > 0]
