@@ -278,7 +278,7 @@ def test_ngram_first_keeps_greedy_exact(fam, plain, llm_cache, tiny_models, nois
     both sources of drafts are used."""
     llm = llm_cache.get(tiny_models[fam], speculative_model=noisy_drafts[fam], num_speculative_tokens=4,
                         speculative_ngram_first=True, ngram_prompt_lookup_min=2)
-    import specdecode.spec.draft_model as dm
+    import specdecode.engine.llm_engine as le
 
     looked = []
 
@@ -286,11 +286,11 @@ def test_ngram_first_keeps_greedy_exact(fam, plain, llm_cache, tiny_models, nois
         found = real_lookup(*args)
         looked.append(len(found) > 0)
         return found
-    real_lookup, dm.ngram_lookup = dm.ngram_lookup, counting_lookup
+    real_lookup, le.ngram_lookup = le.ngram_lookup, counting_lookup
     try:
         outs = _generate(llm, PROMPTS, max_tokens=MAX_TOKENS, **GREEDY)
     finally:
-        dm.ngram_lookup = real_lookup
+        le.ngram_lookup = real_lookup
     proposer = llm.engine.proposer
     assert [list(o.outputs[0].token_ids) for o in outs] == plain(fam)[0]
     assert sum(looked) > 0 and proposer.runner.num_passes > 0

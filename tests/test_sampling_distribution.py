@@ -295,11 +295,11 @@ def test_end_to_end_with_ngram_first(e2e_llm_hybrid, sharp_target, monkeypatch):
     in_prompt[prompt] = True
     # Both kinds of draft must be common for the test to say anything about their mix.
     assert 0.1 < p1[in_prompt].sum() < 0.9, p1[in_prompt].sum()
-    import specdecode.spec.draft_model as dm
+    import specdecode.engine.llm_engine as le
 
     found = []
-    real_lookup = dm.ngram_lookup
-    monkeypatch.setattr(dm, "ngram_lookup", lambda *a: found.append(bool(real_lookup(*a))) or real_lookup(*a))
+    real_lookup = le.ngram_lookup
+    monkeypatch.setattr(le, "ngram_lookup", lambda *a: found.append(bool(real_lookup(*a))) or real_lookup(*a))
     drafted0 = e2e_llm_hybrid.spec_decode_metrics.num_draft_tokens
     first, second = _sample(e2e_llm_hybrid, params, N_E2E, seed0=7 * 10**5, prompt=prompt)
     assert e2e_llm_hybrid.spec_decode_metrics.num_draft_tokens - drafted0 >= N_E2E

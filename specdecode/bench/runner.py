@@ -234,7 +234,7 @@ class DraftPrefillTimer:
         self.inner = inner
         self.elapsed = 0.0
 
-    def propose(self, requests: list, ks: list[int], *lookup_ks):
+    def propose(self, requests: list, ks: list[int], lookups: list[list[int]] | None = None):
         runner = getattr(self.inner, "runner", None)
         for r, k in zip(requests, ks):
             if k > 0 and runner is not None and getattr(r, "draft_computed", None) == 0 and len(r.all_token_ids) > 1:
@@ -242,7 +242,7 @@ class DraftPrefillTimer:
                 runner.prefill(r.slot, r.all_token_ids[:-1])
                 r.draft_computed = len(r.all_token_ids) - 1
                 self.elapsed += time.perf_counter() - t0
-        return self.inner.propose(requests, ks, *lookup_ks)
+        return self.inner.propose(requests, ks, lookups)
 
     def rollback(self, request, valid_len: int) -> None:
         self.inner.rollback(request, valid_len)
@@ -327,8 +327,7 @@ class BenchRunner:
         self._model_mb = {None: target_mb, "ngram": target_mb}
         if need_draft:
             self._proposers["draft"] = DraftPrefillTimer(eng.proposer)
-            self._proposers["hybrid"] = DraftPrefillTimer(copy.copy(eng.proposer))
-            self._proposers["hybrid"].inner.ngram_first = (hybrid_min, s.ngram_max)
+            self._proposers["hybrid"] = self._proposers["draft"]  # the engine does the lookups (ngram_first)
             self.draft_path = getattr(eng, "draft_path", None)
             runner = getattr(eng.proposer, "runner", None)
             self._model_mb["draft"] = target_mb + (module_bytes(runner.model) / 2**20 if runner else 0.0)

@@ -16,6 +16,7 @@ from specdecode.outputs import RequestOutput
 from specdecode.sampling_params import SamplingParams
 from specdecode.spec.adaptive import CostModel, calibrate, next_k
 from specdecode.spec.metrics import SpecDecodeStats
+from specdecode.spec.ngram import ngram_lookup
 from specdecode.spec.proposer import Proposal
 from specdecode.spec.rejection_sampler import rejection_sample
 from specdecode.tokenizer import eos_ids, load_tokenizer
@@ -57,9 +58,7 @@ class LLMEngine:
             keep = (draft_vocab_ids(self.tokenizer, self.eos_token_ids, spec.draft_vocab_size,
                                     draft.model.args.vocab_size) if spec.draft_vocab_size else None)
             self.proposer = DraftModelProposer(ModelRunner(draft, c.max_num_seqs, self.max_model_len, c.device),
-                                               target.model.args.vocab_size, spec.draft_p_min, keep,
-                                               ngram_first=((spec.prompt_lookup_min, spec.prompt_lookup_max)
-                                                            if spec.ngram_first else None))
+                                               target.model.args.vocab_size, spec.draft_p_min, keep)
         if c.compile:
             for runner in (self.target, getattr(self.proposer, "runner", None)):
                 if runner is not None:
@@ -175,38 +174,66 @@ class LLMEngine:
         r.metrics.first_token_time = time.time()
         self._commit(r, result.tokens[0], logits[None])
 
-    def _spec_budget(self, r: Request, n_running: int) -> tuple[int, int]:
-        """(draft-model k, lookup k) for this step of r: the configured k, clamped to the tokens left, and
-        with adaptive k chosen per draft kind from its own acceptance."""
+    def _spec_budget(self, r: Request, n_running: int) -> int:
+        """The most tokens r may draft this step: the configured k, clamped to the tokens left."""
         spec = self.config.speculative
         if self.proposer is None or (spec.disable_by_batch_size and n_running >= spec.disable_by_batch_size):
-            return 0, 0
+            return 0
         left = min(r.max_tokens - r.num_output_tokens - 1, self.max_model_len - len(r.all_token_ids))
-        k = max(0, min(spec.num_speculative_tokens, left))
-        lookup = spec.method == "ngram" or spec.ngram_first
-        drafting = spec.method != "ngram"
-        if not (spec.adaptive and k):
-            return k * drafting, k * lookup
-        ctx = len(r.all_token_ids)
-        return (next_k(k, r.acceptance, self.costs, False, ctx) if drafting else 0,
-                next_k(k, r.lookup_acceptance, self.costs, True, ctx) if lookup else 0)
+        return max(0, min(spec.num_speculative_tokens, left))
 
-    def _propose(self, reqs: list[Request], n_running: int) -> Proposal:
-        budgets = [self._spec_budget(r, n_running) for r in reqs]
-        ks, lookup_ks = [b[0] for b in budgets], [b[1] for b in budgets]
+    def _choose_k(self, r: Request, cap: int, lookup: bool) -> int:
+        """k for r's drafts of one kind (looked up in the context, or from the draft model): the cap, or with
+        adaptive speculation the best k for that kind's own acceptance."""
+        if not (cap and self.config.speculative.adaptive):
+            return cap
+        return next_k(cap, r.lookup_acceptance if lookup else r.acceptance, self.costs, lookup,
+                      len(r.all_token_ids))
+
+    def _propose(self, reqs: list[Request], n_running: int) -> tuple[Proposal, list[bool], list[list[int]]]:
+        """This step's drafts, which requests' drafts were looked up in their context, and (ngram_first)
+        every lookup that matched, used or not."""
         spec = self.config.speculative
-        if not any(ks) and not any(lookup_ks):
-            return Proposal([[] for _ in reqs])
+        caps = [self._spec_budget(r, n_running) for r in reqs]
+        if not any(caps):
+            return Proposal([[] for _ in reqs]), [False] * len(reqs), [[] for _ in reqs]
         if spec.method == "ngram":
-            return self.proposer.propose(reqs, lookup_ks)
-        if spec.ngram_first:
-            return self.proposer.propose(reqs, ks, lookup_ks)
-        return self.proposer.propose(reqs, ks)
+            ks = [self._choose_k(r, cap, lookup=True) for r, cap in zip(reqs, caps)]
+            return self.proposer.propose(reqs, ks), [True] * len(reqs), [[] for _ in reqs]
+        ks = [self._choose_k(r, cap, lookup=False) for r, cap in zip(reqs, caps)]
+        if not spec.ngram_first:
+            return self.proposer.propose(reqs, ks), [False] * len(reqs), [[] for _ in reqs]
+        found = [ngram_lookup(r.all_token_ids, cap, spec.prompt_lookup_min, spec.prompt_lookup_max) if cap else []
+                 for r, cap in zip(reqs, caps)]
+        use = []
+        for r, cap, k, f in zip(reqs, caps, ks, found):
+            kl = self._choose_k(r, cap, lookup=True) if f else 0
+            if kl and k and spec.adaptive and (
+                    self.costs.expected_rate(r.lookup_acceptance, min(kl, len(f)), True, len(r.all_token_ids))
+                    < self.costs.expected_rate(r.acceptance, k, False, len(r.all_token_ids))):
+                kl = 0  # the draft model is expected to do better here than a copy from the context
+            use.append(f[:kl])
+        prop = self.proposer.propose(reqs, [0 if u else k for u, k in zip(use, ks)], lookups=use)
+        return prop, [bool(u) for u in use], found
+
+    def _observe(self, r: Request, drafted: list[int], accepted: int, looked_up: bool, found: list[int],
+                 emitted: list[int]) -> None:
+        """Teach adaptive k what this step showed about each draft kind of r."""
+        used, other = (r.lookup_acceptance, r.acceptance) if looked_up else (r.acceptance, r.lookup_acceptance)
+        self.costs.observe_acceptance(used, len(drafted), accepted, lookup=looked_up)
+        if found and not looked_up:
+            # An unused lookup is scored against the tokens the target emitted. For a one-hot draft that is
+            # exactly the acceptance test (greedy: the same argmax; sampled: accepted with probability p(token),
+            # the chance the sample equals it), cut at the emitted length, beyond which nothing is known.
+            n = min(len(found), len(emitted))
+            match = next((j for j in range(n) if found[j] != emitted[j]), n)
+            self.costs.observe_acceptance(other, n, match, lookup=True)
+        else:
+            other.observe(0, 0)  # this kind did not draft: a step without drafts ends its run
 
     def _decode(self, reqs: list[Request]) -> None:
-        prop = self._propose(reqs, len(reqs))
+        prop, looked_up, found = self._propose(reqs, len(reqs))
         drafts, draft_probs = prop.tokens, prop.probs
-        looked_up = prop.looked_up or [False] * len(reqs)
         seqs = [(r.slot, r.num_computed, [r.all_token_ids[-1]] + d) for r, d in zip(reqs, drafts)]
         logits = self.target.forward_rows(seqs, all_logits=True)
         kmax = max(len(d) for d in drafts)
@@ -223,10 +250,7 @@ class LLMEngine:
             r.num_computed = len(r.all_token_ids) + a  # rejected drafts' KV stays in place, just past the length
             if self.proposer is not None:
                 self.proposer.rollback(r, len(r.all_token_ids) + a)
-            # The kind that drafted learns from this step; for the other one it was a step without drafts.
-            used, idle = ((r.lookup_acceptance, r.acceptance) if looked_up[i] else (r.acceptance, r.lookup_acceptance))
-            self.costs.observe_acceptance(used, len(drafts[i]), a, lookup=looked_up[i])
-            idle.observe(0, 0)
+            self._observe(r, drafts[i], a, looked_up[i], found[i], result.tokens[i])
             if drafts[i]:
                 r.metrics.spec_decode.record(len(drafts[i]), a)
                 self.spec_stats.record(len(drafts[i]), a)

@@ -115,6 +115,15 @@ class CostModel:
         self.prior_of(lookup).observe(drafted, accepted, in_run=request.in_run)
         request.observe(drafted, accepted)
 
+    def expected_rate(self, acceptance: Acceptance, k: int, free: bool, context: int = 0) -> float:
+        """Expected tokens per second of a step drafting k tokens of one kind (free: looked up, no draft
+        model passes), from that kind's acceptance; 0 while costs are not calibrated."""
+        p1, q = acceptance.rates(self.prior_of(free))
+        verify, step = self.verify_cost(k + 1, context), 0.0 if free else self.draft_cost(context)
+        if verify is None or step is None:
+            return 0.0
+        return expected_tokens(p1, q, k) / (verify + k * step)
+
     def verify_cost(self, rows: int, context: int = 0) -> float | None:
         """Seconds for a pass over `rows` rows after `context` tokens, interpolated between calibrated row
         counts and contexts, and never below the cost of fewer rows."""

@@ -7,7 +7,6 @@ import torch.nn as nn
 from specdecode.engine.model_runner import ModelRunner
 from specdecode.layers.linear import Linear
 from specdecode.layers.sampler import argmax, logits_to_probs, sample
-from specdecode.spec.ngram import ngram_lookup
 from specdecode.spec.proposer import Proposal
 
 
@@ -42,17 +41,16 @@ class TruncatedHead(nn.Module):
 class DraftModelProposer:
     """k autoregressive draft steps, batched over requests.
 
-    With ``ngram_first = (n_min, n_max)`` a request whose context ends in an n-gram seen earlier (prompt
-    lookup) takes the tokens that followed it instead, and the draft model runs only for the others: in text
-    that copies from its context the lookup is as good as the draft and costs nothing. Those drafts are
-    one-hot, as the n-gram proposer's are, and the draft model catches up on them at its next step."""
+    With ngram_first the engine may hand over drafts it looked up in a request's context (prompt lookup):
+    in text that copies from its context they are as good as the draft model's and cost nothing. Those
+    drafts are one-hot, as the n-gram proposer's are, and the draft model catches up on them at its next
+    step."""
 
     def __init__(self, runner: ModelRunner, target_vocab: int, p_min: float = 0.0,
-                 vocab_ids: torch.Tensor | None = None, ngram_first: tuple[int, int] | None = None):
+                 vocab_ids: torch.Tensor | None = None):
         self.runner = runner
         self.vocab = target_vocab
         self.p_min = p_min
-        self.ngram_first = ngram_first
         model = runner.model
         if vocab_ids is not None and len(vocab_ids) < model.args.vocab_size:
             model.lm_head = TruncatedHead(model.lm_head, vocab_ids, model.args.vocab_size)
@@ -84,27 +82,21 @@ class DraftModelProposer:
         pad = logits.new_full((*logits.shape[:-1], self.vocab - v), float("-inf"))
         return torch.cat([logits, pad], dim=-1)
 
-    def propose(self, requests: list, ks: list[int], lookup_ks: list[int] | None = None) -> Proposal:
-        """Up to ks[i] draft-model tokens per request; with ngram_first, a lookup of up to lookup_ks[i]
-        tokens (default ks[i]) comes first and replaces them where it finds a match."""
-        if self.ngram_first is None:
+    def propose(self, requests: list, ks: list[int], lookups: list[list[int]] | None = None) -> Proposal:
+        """Up to ks[i] draft-model tokens per request; ``lookups[i]``, where not empty, are drafts the engine
+        already copied from request i's context (ngram_first), passed through with one-hot probabilities."""
+        if not lookups or not any(lookups):
             return self._draft(requests, ks)
-        lookup_ks = ks if lookup_ks is None else lookup_ks
-        looked = [ngram_lookup(r.all_token_ids, k, *self.ngram_first) if k > 0 else []
-                  for r, k in zip(requests, lookup_ks)]
-        prop = self._draft(requests, [0 if found else k for found, k in zip(looked, ks)])
-        if not any(looked):
-            return prop
+        prop = self._draft(requests, [0 if found else k for found, k in zip(lookups, ks)])
         probs = prop.probs
-        width = max(len(t) for t in looked + prop.tokens)
+        width = max(len(t) for t in lookups + prop.tokens)
         if probs is not None:  # some sampled request used the draft model: give looked-up drafts one-hot rows
             pad = max(0, width - probs.shape[1])  # the draft may have stopped early (p_min): never negative
             probs = torch.cat([probs, probs.new_zeros(len(requests), pad, self.vocab)], 1)
-            for i, found in enumerate(looked):
+            for i, found in enumerate(lookups):
                 if found and not requests[i].params.greedy:
                     probs[i, torch.arange(len(found)), torch.tensor(found)] = 1.0
-        tokens = [found or drafted for found, drafted in zip(looked, prop.tokens)]
-        return Proposal(tokens, probs, looked_up=[bool(found) for found in looked])
+        return Proposal([found or drafted for found, drafted in zip(lookups, prop.tokens)], probs)
 
     def _draft(self, requests: list, ks: list[int]) -> Proposal:
         active = [i for i, k in enumerate(ks) if k > 0]

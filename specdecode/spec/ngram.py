@@ -27,7 +27,7 @@ class NgramProposer:
 
     def propose(self, requests: list, ks: list[int]) -> Proposal:
         return Proposal([ngram_lookup(r.all_token_ids, k, self.n_min, self.n_max) if k > 0 else []
-                         for r, k in zip(requests, ks)], looked_up=[True] * len(requests))
+                         for r, k in zip(requests, ks)])
 
     def rollback(self, request, valid_len: int) -> None:
         pass  # stateless

@@ -11,7 +11,6 @@ import torch
 class Proposal:
     tokens: list[list[int]]              # per request, 0..k_r draft tokens
     probs: torch.Tensor | None = None    # [R, max_k, V] draft distributions; None means one-hot drafts
-    looked_up: list[bool] | None = None  # per request: drafts copied from the context (None: none were)
 
 
 class Proposer(Protocol):
