@@ -58,7 +58,8 @@ class SpeculativeConfig:
     # w8a8) is usually the cheapest draft on a CPU.
     quantization: str | None = None
     # Draft model only: prompt lookup first (prompt_lookup_max down to prompt_lookup_min); the draft model
-    # runs only for requests whose context ends in no n-gram seen before.
+    # runs only for requests whose context ends in no n-gram seen before. With adaptive, each request
+    # keeps the two kinds' acceptance apart and a step uses the one expected to give more tokens/s.
     ngram_first: bool = False
 
     def __post_init__(self) -> None:

@@ -147,7 +147,8 @@ def _add_model_flags(p: argparse.ArgumentParser, draft_help: str, with_k: bool =
                         "tokens) plus special tokens; a cheaper draft step, same output (default: all)")
     g.add_argument("--ngram-first", action="store_true",
                    help="with a draft model: use prompt lookup (--ngram-min/--ngram-max) where the context ends in "
-                        "an n-gram seen before, and the draft model only elsewhere")
+                        "an n-gram seen before, and the draft model only elsewhere (with --adaptive: whichever "
+                        "of the two is expected to pay more, from each one's own acceptance)")
     g.add_argument("--ngram-min", type=_int_at_least(1), default=None, metavar="N",
                    help="n-gram drafting: shortest suffix to look up (default 1; 3 with --ngram-first)")
     g.add_argument("--ngram-max", type=_int_at_least(1), default=4, metavar="N",
