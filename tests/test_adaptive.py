@@ -200,53 +200,50 @@ def test_lookup_and_draft_model_acceptance_are_kept_apart():
     assert c.lookup_prior.kind_rates()[0] < 0.05 and c.prior.kind_rates()[0] > 0.95
 
 
-def test_hybrid_turns_off_failing_lookups_but_keeps_a_good_draft_model(one_thread, llm_cache, tiny_models,
-                                                                        monkeypatch):
+def _hybrid_run(llm_cache, tiny_models, draft, lookup, monkeypatch):
+    """Adaptive ngram_first with a stand-in for prompt lookup (``lookup(plain outputs)`` gives it), on costs
+    where drafting pays whenever drafts are accepted; greedy output must stay plain's. Returns the engine's
+    spec stats and the engine-wide first-token rate of looked-up drafts."""
     import specdecode.engine.llm_engine as le
 
     plain = gen_ids(llm_cache.get(tiny_models["llama"]), PROMPTS, max_tokens=24, **GREEDY)
-    # The target drafting for itself: every draft-model token is accepted.
-    llm = llm_cache.get(tiny_models["llama"], speculative_model=tiny_models["llama"], num_speculative_tokens=3,
-                        speculative_adaptive=True, speculative_ngram_first=True)
-    eng = llm.engine
-    saved = eng.costs
-    eng.costs = _costs({1: 0.10, 2: 0.10, 3: 0.10, 4: 0.10}, 0.01)  # drafting pays whenever drafts are accepted
-    bad = next(t for t in range(1, 500) if all(t not in out for out in plain))
-    monkeypatch.setattr(le, "ngram_lookup", lambda tokens, k, lo, hi: [bad] * k)  # a "match" every step, always wrong
-    try:
-        for p, want in zip(PROMPTS * 2, plain * 2):
-            assert gen_ids(llm, [p], max_tokens=24, **GREEDY)[0] == want
-        s = eng.spec_stats
-        # Lookups lose their turn once their own rate is known; the draft model then drafts nearly every step.
-        assert eng.costs.lookup_prior.kind_rates()[0] < 0.3
-        assert s.num_accepted_tokens / s.num_draft_tokens > 0.6
-    finally:
-        eng.costs = saved
-
-
-def test_hybrid_prefers_lookups_that_beat_the_draft_model(one_thread, llm_cache, tiny_models, noisy_drafts,
-                                                          monkeypatch):
-    import specdecode.engine.llm_engine as le
-
-    plain = gen_ids(llm_cache.get(tiny_models["llama"]), PROMPTS, max_tokens=24, **GREEDY)
-    llm = llm_cache.get(tiny_models["llama"], speculative_model=noisy_drafts["llama"], num_speculative_tokens=3,
+    llm = llm_cache.get(tiny_models["llama"], speculative_model=draft, num_speculative_tokens=3,
                         speculative_adaptive=True, speculative_ngram_first=True)
     eng = llm.engine
     saved = eng.costs
     eng.costs = _costs({1: 0.10, 2: 0.10, 3: 0.10, 4: 0.10}, 0.01)
-
-    def oracle(tokens, k, lo, hi):  # a lookup that always finds the target's own continuation
-        for p, want in zip(PROMPTS, plain):
-            if tokens[:len(p)] == p and tokens[len(p):] == want[:len(tokens) - len(p)]:
-                return want[len(tokens) - len(p):][:k]
-        return []
-
-    monkeypatch.setattr(le, "ngram_lookup", oracle)
+    monkeypatch.setattr(le, "ngram_lookup", lookup(plain))
     try:
         for p, want in zip(PROMPTS * 2, plain * 2):
             assert gen_ids(llm, [p], max_tokens=24, **GREEDY)[0] == want
-        s = eng.spec_stats
-        assert s.num_accepted_tokens == s.num_draft_tokens  # every draft was a (perfect) lookup
-        assert eng.costs.lookup_prior.kind_rates()[0] > 0.9
+        return eng.spec_stats, eng.costs.lookup_prior.kind_rates()[0]
     finally:
         eng.costs = saved
+
+
+def test_hybrid_turns_off_failing_lookups_but_keeps_a_good_draft_model(one_thread, llm_cache, tiny_models,
+                                                                        monkeypatch):
+    def always_wrong(plain):  # a "match" every step, never right
+        bad = next(t for t in range(1, 500) if all(t not in out for out in plain))
+        return lambda tokens, k, lo, hi: [bad] * k
+
+    # The target drafting for itself: every draft-model token is accepted.
+    s, lookup_rate = _hybrid_run(llm_cache, tiny_models, tiny_models["llama"], always_wrong, monkeypatch)
+    # Lookups lose their turn once their own rate is known; the draft model then drafts nearly every step.
+    assert lookup_rate < 0.3
+    assert s.num_accepted_tokens / s.num_draft_tokens > 0.6
+
+
+def test_hybrid_prefers_lookups_that_beat_the_draft_model(one_thread, llm_cache, tiny_models, noisy_drafts,
+                                                          monkeypatch):
+    def oracle(plain):  # a lookup that always finds the target's own continuation
+        def find(tokens, k, lo, hi):
+            for p, want in zip(PROMPTS, plain):
+                if tokens[:len(p)] == p and tokens[len(p):] == want[:len(tokens) - len(p)]:
+                    return want[len(tokens) - len(p):][:k]
+            return []
+        return find
+
+    s, lookup_rate = _hybrid_run(llm_cache, tiny_models, noisy_drafts["llama"], oracle, monkeypatch)
+    assert s.num_accepted_tokens == s.num_draft_tokens  # every draft was a (perfect) lookup
+    assert lookup_rate > 0.9
