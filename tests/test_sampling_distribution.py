@@ -283,10 +283,31 @@ def e2e_llm_hybrid(one_thread, llm_cache, sharp_target, sharp_draft):
                          ngram_prompt_lookup_min=1)
 
 
-def test_end_to_end_with_ngram_first(e2e_llm_hybrid, sharp_target, monkeypatch):
+@pytest.fixture(scope="module")
+def e2e_llm_hybrid_adaptive(one_thread, llm_cache, sharp_target, sharp_draft):
+    from specdecode.spec.adaptive import CostModel
+
+    llm = llm_cache.get(sharp_target, speculative_model=sharp_draft, num_speculative_tokens=K_E2E,
+                        max_model_len=64, max_num_seqs=16, speculative_ngram_first=True,
+                        ngram_prompt_lookup_min=1, speculative_adaptive=True)
+    # Costs under which both kinds of draft pay, so that a batch mixes lookups, draft-model drafts and (from
+    # learned acceptance) requests without drafts; the tiny draft is as dear as its target when timed.
+    costs = CostModel()
+    for rows in range(1, K_E2E + 2):
+        costs.add(0, rows, 0.10)
+    costs.add_draft(0, 0.01)
+    saved, llm.engine.costs = llm.engine.costs, costs
+    yield llm
+    llm.engine.costs = saved
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_end_to_end_with_ngram_first(adaptive, request, sharp_target, monkeypatch):
     """Prompt lookup first, the draft model elsewhere: after a 1st token that occurs in the prompt the 2nd step
     drafts a one-hot n-gram token, otherwise a draft-model token with its probabilities, and batches mix
-    both kinds. The 2nd token must still follow the target's marginal."""
+    both kinds (with adaptive k, per request as each kind's own acceptance says). The 2nd token must still
+    follow the target's marginal."""
+    llm = request.getfixturevalue("e2e_llm_hybrid_adaptive" if adaptive else "e2e_llm_hybrid")
     params = SamplingParams(**SETTINGS["t1.0-top_p0.9"])
     # PROMPT plus the sharp target's own greedy continuation: here the target repeats itself often enough.
     prompt = PROMPT + [322, 184, 340, 353, 188, 197, 243, 188, 219]
@@ -300,9 +321,12 @@ def test_end_to_end_with_ngram_first(e2e_llm_hybrid, sharp_target, monkeypatch):
     found = []
     real_lookup = le.ngram_lookup
     monkeypatch.setattr(le, "ngram_lookup", lambda *a: found.append(bool(real_lookup(*a))) or real_lookup(*a))
-    drafted0 = e2e_llm_hybrid.spec_decode_metrics.num_draft_tokens
-    first, second = _sample(e2e_llm_hybrid, params, N_E2E, seed0=7 * 10**5, prompt=prompt)
-    assert e2e_llm_hybrid.spec_decode_metrics.num_draft_tokens - drafted0 >= N_E2E
+    stats = llm.spec_decode_metrics
+    drafted0, lookups0 = stats.num_draft_tokens, llm.engine.costs.lookup_prior.first_n
+    first, second = _sample(llm, params, N_E2E, seed0=7 * 10**5, prompt=prompt)
+    assert stats.num_draft_tokens - drafted0 >= N_E2E // (4 if adaptive else 1)
     assert 0.1 < np.mean(found) < 0.9  # n-gram and draft-model drafts, mixed in the batches
+    if adaptive:
+        assert llm.engine.costs.lookup_prior.first_n != lookups0  # lookups were scored
     pval = chi2_pvalue(second, marg)
     assert pval > ALPHA, f"2nd token with n-gram-first drafts does not follow the target (p={pval:.2e})"
