@@ -247,7 +247,6 @@ def next_k(k_max: int, acceptance: Acceptance, costs: CostModel, draft_is_free: 
            context: int = 0) -> int:
     """The k for this step of one request's drafts of one kind (free ones are looked up in the context).
     Updates the probing state in ``acceptance``: a chosen k > 0 resets it, a probe doubles the wait."""
-    state = acceptance
     p1, q = acceptance.rates(costs.prior_of(draft_is_free))
     chosen = choose_k(p1, q, k_max, costs, draft_is_free, context)
     if not chosen and acceptance.in_run:
@@ -255,11 +254,11 @@ def next_k(k_max: int, acceptance: Acceptance, costs: CostModel, draft_is_free: 
         # run is judged by) unobserved; a stale low value would then stop every run at its first token.
         chosen = 1
     if chosen:
-        state.steps_without_spec, state.probe_every = 0, PROBE_EVERY
+        acceptance.steps_without_spec, acceptance.probe_every = 0, PROBE_EVERY
         return chosen
-    state.steps_without_spec += 1
-    if state.steps_without_spec < state.probe_every:
+    acceptance.steps_without_spec += 1
+    if acceptance.steps_without_spec < acceptance.probe_every:
         return 0
-    state.steps_without_spec = 0
-    state.probe_every = min(2 * state.probe_every, MAX_PROBE_EVERY)
+    acceptance.steps_without_spec = 0
+    acceptance.probe_every = min(2 * acceptance.probe_every, MAX_PROBE_EVERY)
     return 1
