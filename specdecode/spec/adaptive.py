@@ -115,14 +115,17 @@ class CostModel:
         self.prior_of(lookup).observe(drafted, accepted, in_run=request.in_run)
         request.observe(drafted, accepted)
 
-    def expected_rate(self, acceptance: Acceptance, k: int, free: bool, context: int = 0) -> float:
-        """Expected tokens per second of a step drafting k tokens of one kind (free: looked up, no draft
-        model passes), from that kind's acceptance; 0 while costs are not calibrated."""
-        p1, q = acceptance.rates(self.prior_of(free))
+    def tokens_per_second(self, p1: float, q: float, k: int, free: bool, context: int = 0) -> float | None:
+        """Expected tokens per second of a step drafting k tokens after `context` tokens (free: looked up, no
+        draft model passes), with acceptance rates (p1, q); None while costs are not calibrated."""
         verify, step = self.verify_cost(k + 1, context), 0.0 if free else self.draft_cost(context)
         if verify is None or step is None:
-            return 0.0
+            return None
         return expected_tokens(p1, q, k) / (verify + k * step)
+
+    def expected_rate(self, acceptance: Acceptance, k: int, free: bool, context: int = 0) -> float:
+        """tokens_per_second from one draft kind's acceptance; 0 while costs are not calibrated."""
+        return self.tokens_per_second(*acceptance.rates(self.prior_of(free)), k, free, context) or 0.0
 
     def verify_cost(self, rows: int, context: int = 0) -> float | None:
         """Seconds for a pass over `rows` rows after `context` tokens, interpolated between calibrated row
@@ -229,13 +232,12 @@ def expected_tokens(p1: float, q: float, k: int) -> float:
 def choose_k(p1: float, q: float, k_max: int, costs: CostModel, draft_is_free: bool, context: int = 0) -> int:
     """The k in 0..k_max with the best expected tokens per second after `context` tokens; k_max while
     costs are not calibrated."""
-    base = costs.verify_cost(1, context)
-    step = 0.0 if draft_is_free else costs.draft_cost(context)
-    if base is None or step is None:
+    best = costs.tokens_per_second(p1, q, 0, draft_is_free, context)
+    if best is None:
         return k_max
-    best_k, best = 0, 1.0 / base
+    best_k = 0
     for k in range(1, k_max + 1):
-        rate = expected_tokens(p1, q, k) / (costs.verify_cost(k + 1, context) + k * step)
+        rate = costs.tokens_per_second(p1, q, k, draft_is_free, context)
         # Demand a margin: acceptance is an estimate and the machine's speed drifts, so leaving plain
         # decoding must promise a clear gain (10%), and a deeper k a small one (2%).
         if rate > best * (_MARGIN_OFF if best_k == 0 else _MARGIN_DEEPER):
