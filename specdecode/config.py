@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger("specdecode")
@@ -48,10 +49,15 @@ class SpeculativeConfig:
     # Choose k per request (k may drop to 0) from acceptance measured online and the costs of verify passes and
     # draft steps, timed when the engine starts (spec/adaptive.py).
     adaptive: bool = False
-    # Draft model only: score just the N lowest token ids (in a BPE vocabulary, the earliest merges, i.e. the
-    # most frequent tokens) plus the special tokens in the draft's LM head. The head is a large share of a
-    # small draft's weights; drafts stay exact proposals, so output is unchanged, only acceptance may dip.
+    # Draft model only: score just N frequent tokens in the draft's LM head, plus special tokens and the tokens
+    # of each request's own context (spec/draft_vocab.py). Frequent means the first N of token_map, else of
+    # the ranking shipped for this tokenizer, else the N lowest ids (a BPE vocabulary's earliest merges).
+    # The head is a large share of a small draft's weights; drafts stay exact proposals, so output is
+    # unchanged, only acceptance may dip.
     draft_vocab_size: int | None = None
+    # Draft model only: a file of token ids, most frequent first (SGLang's speculative_token_map): JSON, or a
+    # .pt tensor. Alone it keeps all its ids; with draft_vocab_size, the first N.
+    token_map: str | None = None
     # Draft model only: its own weight format (vLLM's speculative_model_quantization). None: the target's;
     # "none": unquantized whatever the target uses.
     # A draft's precision only moves the acceptance rate, never the output, so "w4a8" (half the bytes of
@@ -91,6 +97,11 @@ class SpeculativeConfig:
                 raise _err("draft_vocab_size only applies to a draft model (n-gram drafts need no LM head).")
             if not isinstance(v, int) or isinstance(v, bool) or v < 256:
                 raise _err(f"draft_vocab_size must be an integer >= 256 (e.g. 32768), got {v!r}.")
+        if self.token_map is not None:
+            if self.method != "draft_model":
+                raise _err("token_map only applies to a draft model (n-gram drafts need no LM head).")
+            if not isinstance(self.token_map, (str, Path)) or not Path(self.token_map).is_file():
+                raise _err(f"token_map must be the path of an existing file, got {self.token_map!r}.")
         if self.ngram_first and self.method != "draft_model":
             raise _err("ngram_first combines prompt lookup with a draft model; with method 'ngram' there is none.")
         if self.quantization is not None:
@@ -106,7 +117,7 @@ class SpeculativeConfig:
         aliases = {"draft_model": "model", "num_draft_tokens": "num_speculative_tokens",
                    "ngram_prompt_lookup_max": "prompt_lookup_max", "ngram_prompt_lookup_min": "prompt_lookup_min",
                    "speculative_disable_by_batch_size": "disable_by_batch_size",
-                   "speculative_model_quantization": "quantization"}
+                   "speculative_model_quantization": "quantization", "speculative_token_map": "token_map"}
         for old, new in aliases.items():
             if old in d and new not in d:
                 d[new] = d.pop(old)
@@ -188,7 +199,8 @@ class EngineConfig:
                                          "ngram_prompt_lookup_max", "ngram_prompt_lookup_min",
                                          "speculative_disable_by_batch_size", "speculative_draft_p_min",
                                          "speculative_adaptive", "speculative_draft_vocab_size",
-                                         "speculative_model_quantization", "speculative_ngram_first") if k in kw}
+                                         "speculative_model_quantization", "speculative_ngram_first",
+                                         "speculative_token_map") if k in kw}
         if sc is not None and legacy:
             raise _err("Pass either speculative_config={...} or the legacy speculative_* keywords, not both.")
         if isinstance(sc, SpeculativeConfig):
@@ -209,7 +221,8 @@ class EngineConfig:
                                  ("speculative_adaptive", "adaptive"),
                                  ("speculative_draft_vocab_size", "draft_vocab_size"),
                                  ("speculative_model_quantization", "quantization"),
-                                 ("speculative_ngram_first", "ngram_first")):
+                                 ("speculative_ngram_first", "ngram_first"),
+                                 ("speculative_token_map", "token_map")):
                     if legacy.get(src) is not None:
                         spec_dict[dst] = legacy[src]
                 if spec_dict.get("model") is None:

@@ -190,6 +190,25 @@ def test_bench_truncated_sharegpt_and_verify_cost(tiny_models, sharegpt_truncate
     assert [ln[0] for ln in lines] == ["1", "2", "4"] and lines[0][3] == "1.00x"
 
 
+def test_bench_draft_vocab_size_list(tiny_models, tiny_draft, spec_bench_file, tmp_path):
+    """--draft-vocab-size 0,N: a full-head and a truncated-head config on the same proposer, each with its
+    own head, greedy output exact in both."""
+    out = tmp_path / "bench.json"
+    p = run_cli("bench", "-m", tiny_models["llama"], "-md", tiny_draft, "--dataset", spec_bench_file,
+                "--num-prompts", 1, "--max-tokens", 16, "--ignore-eos", "--method", "draft,hybrid", "--k", "3",
+                "--draft-vocab-size", "0,256", "--output-json", out, "-t", 1, "--no-progress")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(out.read_text())
+    assert [(c["name"], c["draft_vocab_size"]) for c in r["configs"]] == \
+        [("baseline", None), ("draft k=3", None), ("draft k=3 v=256", 256), ("hybrid k=3", None),
+         ("hybrid k=3 v=256", 256)]
+    assert all(r["overall"][c["name"]]["greedy_mismatches"] == 0 for c in r["configs"])
+    assert r["meta"]["draft_vocab_size"] == [None, 256]
+    p = run_cli("bench", "-m", tiny_models["llama"], "-md", tiny_draft, "--dataset", spec_bench_file,
+                "--draft-vocab-size", "100")
+    assert p.returncode == 2 and "0 (the full head) or >= 256" in p.stderr and "Traceback" not in p.stderr
+
+
 def test_bench_draft_p_min_list(tiny_models, tiny_draft, spec_bench_file, tmp_path):
     """--draft-p-min P,P: one draft config per value, each run with its own threshold (a high one stops the
     random tiny draft early, so it drafts fewer tokens per step), greedy output still exact."""

@@ -313,6 +313,10 @@ def test_draft_vocab_size_validation(tiny_models, tiny_draft):
                         speculative_draft_vocab_size=1024), "draft_vocab_size", "draft model")
     _raises(lambda: LLM(model, speculative_model=str(tiny_draft), num_speculative_tokens=2,
                         speculative_draft_vocab_size=10), "draft_vocab_size", "256")
+    _raises(lambda: LLM(model, speculative_model="[ngram]", num_speculative_tokens=2,
+                        speculative_token_map=__file__), "token_map", "draft model")
+    _raises(lambda: LLM(model, speculative_model=str(tiny_draft), num_speculative_tokens=2,
+                        speculative_token_map="/nonexistent/map.json"), "token_map", "existing file")
 
 
 def test_ngram_first_validation_and_defaults(tiny_models, tiny_draft):

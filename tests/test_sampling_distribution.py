@@ -259,19 +259,22 @@ def e2e_llm_truncated(one_thread, llm_cache, sharp_target, sharp_draft):
 
 
 def test_end_to_end_with_truncated_draft_vocab(e2e_llm_truncated, sharp_target):
-    """A draft that can only propose ids < 256 (plus specials): the 2nd token still follows the target's
-    marginal, including the mass on ids the draft never proposes (it comes from the residual)."""
+    """A draft that can only propose ids < 256 (plus specials) and the tokens of the requests' contexts (the
+    prompt holds two ids above 256): the 2nd token still follows the target's marginal, including the mass on
+    ids the draft never proposes (it comes from the residual)."""
     setting = list(SETTINGS)[0]
     params = SamplingParams(**SETTINGS[setting])
-    _, marg = _target_marginals(sharp_target, params)
-    keep = e2e_llm_truncated.engine.proposer.runner.model.lm_head.keep.numpy()
+    prompt = [17, 300, 42, 301, 99, 17]
+    _, marg = _target_marginals(sharp_target, params, prompt)
+    head = e2e_llm_truncated.engine.proposer.runner.model.lm_head
     outside = np.ones(len(marg), dtype=bool)
-    outside[keep] = False
+    outside[head.keep.numpy()] = False
     assert marg[outside].sum() > 0.05, "the target must put real mass on tokens the draft cannot propose"
     stats = e2e_llm_truncated.spec_decode_metrics
     drafted0 = stats.num_draft_tokens
-    _, second = _sample(e2e_llm_truncated, params, N_E2E, seed0=5 * 10**5)
+    _, second = _sample(e2e_llm_truncated, params, N_E2E, seed0=5 * 10**5, prompt=prompt)
     assert stats.num_draft_tokens - drafted0 >= N_E2E
+    assert {300, 301} <= set(head.context_ids)
     pval = chi2_pvalue(second, marg)
     assert pval > ALPHA, f"2nd token with a truncated draft head does not follow the target (p={pval:.2e})"
 

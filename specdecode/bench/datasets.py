@@ -226,3 +226,23 @@ def load_dataset(spec: str, num_prompts: int | None = None, categories: list[str
         else:
             prompts = prompts[:num_prompts]
     return Dataset(ds.name, ds.format, prompts, ds.note)
+
+
+def corpus_texts(spec: str) -> list[str]:
+    """Text to count token frequencies in (``specdecode token-map``): in a ShareGPT file the model's replies,
+    which is the kind of text a draft proposes; in any other dataset its prompts."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        stripped = _read_text(path).lstrip()
+        if stripped.startswith("["):
+            texts = []
+            for e in _sharegpt_entries(stripped)[0]:
+                conv = (e.get("conversations") or e.get("conversation") or e.get("messages")) if isinstance(e, dict) else None
+                for turn in conv if isinstance(conv, list) else ():
+                    role = str(turn.get("from", turn.get("role", ""))).lower() if isinstance(turn, dict) else ""
+                    value = turn.get("value", turn.get("content")) if isinstance(turn, dict) else None
+                    if role not in _HUMAN_ROLES + ("system",) and isinstance(value, str) and value.strip():
+                        texts.append(value)
+            if texts:
+                return texts
+    return [p.text for p in read_dataset(spec).prompts]

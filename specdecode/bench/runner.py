@@ -51,15 +51,21 @@ class BenchConfig:
     method: str | None  # None (baseline), "ngram", "draft" or "hybrid"
     k: int = 0
     p_min: float = 0.0  # draft / hybrid: SpeculativeConfig.draft_p_min
+    vocab: int | None = None  # draft / hybrid: SpeculativeConfig.draft_vocab_size (None: the full LM head)
 
 
-def make_configs(methods: list[str], ks: list[int], p_mins: list[float] = (0.0,)) -> list[BenchConfig]:
-    """Baseline first, then each method x k (x draft_p_min for the methods that run the draft model)."""
+def make_configs(methods: list[str], ks: list[int], p_mins: list[float] = (0.0,),
+                 vocab_sizes: list[int | None] = (None,)) -> list[BenchConfig]:
+    """Baseline first, then each method x k (x draft_p_min x draft_vocab_size for the methods that run the
+    draft model)."""
     configs = [BenchConfig("baseline", None, 0)]
     for m in methods:
         for k in ks:
-            for p in (p_mins if m in ("draft", "hybrid") else (0.0,)):
-                configs.append(BenchConfig(f"{m} k={k}" + (f" p={p:g}" if p else ""), m, k, p))
+            draft = m in ("draft", "hybrid")
+            for p in (p_mins if draft else (0.0,)):
+                for v in (vocab_sizes if draft else (None,)):
+                    name = f"{m} k={k}" + (f" p={p:g}" if p else "") + (f" v={v}" if v else "")
+                    configs.append(BenchConfig(name, m, k, p, v))
     return configs
 
 
@@ -86,7 +92,8 @@ class BenchSettings:
     progress: bool = True
     adaptive: bool = False            # engine-chosen k per step, up to each config's k
     draft_p_mins: list[float] = field(default_factory=lambda: [0.0])  # draft / hybrid: one config per value
-    draft_vocab_size: int | None = None  # draft configs: truncated draft LM head
+    draft_vocab_sizes: list[int | None] = field(default_factory=lambda: [None])  # draft / hybrid: one config
+    token_map: str | None = None  # per value; None: the full LM head. token_map: the ranking sizes cut from
     draft_quantization: str | None = None  # draft configs: the draft's weight format (None: the target's)
     compile: bool = False             # torch.compile the decode / verification layers (EngineConfig.compile)
 
@@ -287,7 +294,7 @@ def run_timed(engine, rid: str, ids: list[int], params, on_step=None, should_abo
 class BenchRunner:
     def __init__(self, settings: BenchSettings):
         self.s = settings
-        self.configs = make_configs(settings.methods, settings.ks, settings.draft_p_mins)
+        self.configs = make_configs(settings.methods, settings.ks, settings.draft_p_mins, settings.draft_vocab_sizes)
         self.engine = None
         self.use_chat = False
         self._counter = 0
@@ -295,7 +302,9 @@ class BenchRunner:
         self._spec: dict[str, object] = {}
         self._model_mb: dict[str | None, float] = {}
         self._costs: dict[str, object] = {}
-        self._calibrated = None  # adaptive k: the engine's cost calibration, copied per config
+        self._calibrated: dict[int | None, object] = {}  # adaptive k: draft_vocab_size -> the engine's cost
+        # calibration with that draft head, copied per config
+        self._draft_heads: dict[int | None, object] = {}  # draft_vocab_size -> the ids its head keeps
         self.draft_path = None
         self._ngram_mins: dict[str, int] = {}
 
@@ -315,7 +324,7 @@ class BenchRunner:
         self._ngram_mins = {"ngram": ngram_min, "hybrid": hybrid_min}
         if need_draft:
             kw.update(speculative_model=s.draft_model or "default", num_speculative_tokens=kmax,
-                      speculative_draft_vocab_size=s.draft_vocab_size,
+                      speculative_token_map=s.token_map,
                       speculative_model_quantization=s.draft_quantization)
         elif "ngram" in s.methods:
             kw.update(speculative_model="[ngram]", num_speculative_tokens=kmax,
@@ -335,7 +344,6 @@ class BenchRunner:
             if runner is not None:
                 self._weight_bytes["draft"] = linear_weight_bytes(runner.model)
         self.memory_bandwidth_gbps = measure_memory_bandwidth()
-        self._calibrated = eng.calibrate_costs() if s.adaptive else None
         from specdecode.config import SpeculativeConfig
         base = eng.config.speculative
         for c in self.configs:
@@ -347,23 +355,42 @@ class BenchRunner:
                 hybrid = c.method == "hybrid"
                 self._spec[c.name] = dataclasses.replace(
                     base, num_speculative_tokens=c.k, adaptive=s.adaptive, draft_p_min=c.p_min, ngram_first=hybrid,
+                    draft_vocab_size=c.vocab, token_map=base.token_map if c.vocab else None,
                     prompt_lookup_min=hybrid_min if hybrid else base.prompt_lookup_min,
                     prompt_lookup_max=s.ngram_max if hybrid else base.prompt_lookup_max)
+        if s.adaptive:  # a truncated draft head makes the draft step cheaper, so each head gets its own timing
+            drafting = [c for c in self.configs if c.method in ("draft", "hybrid")]
+            for vocab in dict.fromkeys(c.vocab for c in drafting):
+                self._set_draft_head(next(c for c in drafting if c.vocab == vocab))
+                self._calibrated[vocab] = eng.calibrate_costs()
+            if None not in self._calibrated:
+                self._calibrated[None] = eng.calibrate_costs()
         has_template = bool(getattr(eng.tokenizer, "chat_template", None))
         if s.chat_template == "on" and not has_template:
             raise ValueError("--chat-template on: this model's tokenizer has no chat template")
         self.use_chat = has_template if s.chat_template == "auto" else s.chat_template == "on"
 
+    def _set_draft_head(self, cfg: BenchConfig) -> None:
+        """The configs share one draft proposer; its p_min and LM head are the parts of a config it holds."""
+        from specdecode.spec.draft_vocab import draft_head_ids
+
+        draft = self._proposers[cfg.method].inner
+        draft.p_min = cfg.p_min
+        draft.set_vocab(self._draft_heads.setdefault(cfg.vocab, draft_head_ids(
+            self._spec[cfg.name], self.engine.tokenizer, self.engine.eos_token_ids,
+            draft.runner.model.args.vocab_size)))
+
     def _activate(self, cfg: BenchConfig) -> None:
         from specdecode.spec.adaptive import CostModel
 
         self.engine.proposer = self._proposers[cfg.method]
-        if cfg.method in ("draft", "hybrid"):
-            self.engine.proposer.inner.p_min = cfg.p_min
         self.engine.config.speculative = self._spec.get(cfg.name)
+        if cfg.method in ("draft", "hybrid"):
+            self._set_draft_head(cfg)
         # Each config learns its own acceptance, as it would running alone.
         if cfg.name not in self._costs:
-            self._costs[cfg.name] = copy.deepcopy(self._calibrated) if self._calibrated else CostModel()
+            calibrated = self._calibrated.get(cfg.vocab)
+            self._costs[cfg.name] = copy.deepcopy(calibrated) if calibrated else CostModel()
         self.engine.costs = self._costs[cfg.name]
 
     def encode(self, text: str) -> list[int]:
@@ -396,7 +423,7 @@ class BenchRunner:
         draft_prefill = run["draft_prefill"]
         read = (eng.target.num_passes - passes0[0]) * self._weight_bytes["target"]
         if draft_runner is not None:
-            read += (draft_runner.num_passes - passes0[1]) * self._weight_bytes.get("draft", 0)
+            read += (draft_runner.num_passes - passes0[1]) * linear_weight_bytes(draft_runner.model)  # this head
         return PromptRun(prompt_id, category, cfg.name, len(ids), list(c.token_ids), t_first - t0,
                          max(0.0, t_end - t_first - draft_prefill), t_end - t0, c.finish_reason, spec, max(rss),
                          draft_prefill_s=draft_prefill, weight_bytes_read=read)
@@ -457,7 +484,8 @@ class BenchRunner:
             "num_prompts_used": used, "skipped_prompts": skipped,
             "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
             "greedy": s.temperature == 0, "seed": s.seed, "ignore_eos": s.ignore_eos, "adaptive_k": s.adaptive,
-            "draft_p_min": s.draft_p_mins, "draft_vocab_size": s.draft_vocab_size,
+            "draft_p_min": s.draft_p_mins, "draft_vocab_size": s.draft_vocab_sizes,
+            "token_map": s.token_map,
             "draft_quantization": s.draft_quantization,
             "chat_template": self.use_chat, "ngram_min": self._ngram_mins, "ngram_max": s.ngram_max,
             "dtype": s.dtype, "quantization": s.quantization, "threads": torch.get_num_threads(),

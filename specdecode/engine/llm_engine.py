@@ -48,15 +48,15 @@ class LLMEngine:
             from specdecode.spec.ngram import NgramProposer
             self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         elif spec is not None:
-            from specdecode.spec.draft_model import DraftModelProposer, draft_vocab_ids
+            from specdecode.spec.draft_model import DraftModelProposer
+            from specdecode.spec.draft_vocab import draft_head_ids
             draft_path = resolve_model(None if spec.model == "default" else spec.model, "draft")
             draft = load_model(draft_path, c.dtype, c.device, self.max_model_len, c.draft_quantization())
             check_draft_compatible(self.tokenizer, load_tokenizer(draft_path, draft.is_gguf),
                                    target.model.param_count(), draft.model.param_count(),
                                    target.model.args.vocab_size, draft.model.args.vocab_size)
             self.draft_path = draft_path
-            keep = (draft_vocab_ids(self.tokenizer, self.eos_token_ids, spec.draft_vocab_size,
-                                    draft.model.args.vocab_size) if spec.draft_vocab_size else None)
+            keep = draft_head_ids(spec, self.tokenizer, self.eos_token_ids, draft.model.args.vocab_size)
             self.proposer = DraftModelProposer(ModelRunner(draft, c.max_num_seqs, self.max_model_len, c.device),
                                                target.model.args.vocab_size, spec.draft_p_min, keep)
         if c.compile:

@@ -105,6 +105,14 @@ def _int_list(lo: int, hi: int):
     return _list_of(_int_at_least(lo, hi), "integers")
 
 
+def _vocab_list(s: str) -> list[int | None]:
+    """--draft-vocab-size for the bench: sizes >= 256, or 0 for the full head (None)."""
+    sizes = _list_of(_int_at_least(0), "integers")(s)
+    if any(0 < v < 256 for v in sizes):
+        raise argparse.ArgumentTypeError(f"each size must be 0 (the full head) or >= 256, got {s}")
+    return [v or None for v in sizes]
+
+
 def _name_list(choices: dict[str, str]):
     def parse(s: str) -> list[str]:
         out = []
@@ -142,9 +150,18 @@ def _add_model_flags(p: argparse.ArgumentParser, draft_help: str, with_k: bool =
         g.add_argument("--draft-p-min", type=_float_list(0.0, 0.99), default=[0.0], metavar="P,P",
                        help="draft and hybrid configs: stop drafting once the draft's top probability falls below "
                             "P; one config per value (default 0: always draft k tokens)")
-    g.add_argument("--draft-vocab-size", type=_int_at_least(256), default=None, metavar="N",
-                   help="draft model: score only the N lowest token ids (a BPE vocabulary's most frequent "
-                        "tokens) plus special tokens; a cheaper draft step, same output (default: all)")
+    vocab_help = ("draft model: score only N frequent tokens (from --token-map, else the ranking shipped for this "
+                  "tokenizer, else the lowest ids) plus special tokens and each request's own context; a cheaper "
+                  "draft step, same output")
+    if with_k:
+        g.add_argument("--draft-vocab-size", type=_int_at_least(256), default=None, metavar="N",
+                       help=vocab_help + " (default: all)")
+    else:
+        g.add_argument("--draft-vocab-size", type=_vocab_list, default=[None], metavar="N,N",
+                       help=vocab_help + "; one config per value, 0 = the full head (default 0)")
+    g.add_argument("--token-map", default=None, metavar="FILE",
+                   help="draft model: token ids, most frequent first (JSON, or SGLang's .pt), for --draft-vocab-size; "
+                        "alone, the draft head keeps all of them. Build one with 'specdecode token-map'")
     g.add_argument("--ngram-first", action="store_true",
                    help="with a draft model: use prompt lookup (--ngram-min/--ngram-max) where the context ends in "
                         "an n-gram seen before, and the draft model only elsewhere (with --adaptive: whichever "
@@ -213,6 +230,13 @@ def _resolve_user_path(path: str, role: str) -> str:
     return str(Path(path).expanduser())
 
 
+def _user_file(path: str, flag: str) -> str:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise CLIError(f"{flag} {path}: no such file")
+    return str(p)
+
+
 def _draft_choice(model: str | None, draft: str | None) -> str | None:
     """'default' | '[ngram]' | a path | None, following llama-speculative's and our defaults."""
     if draft is None:
@@ -244,6 +268,8 @@ def _engine_kwargs(args, k: int | None) -> dict:
             kw["speculative_draft_p_min"] = args.draft_p_min
         if args.draft_vocab_size and draft != "[ngram]":
             kw["speculative_draft_vocab_size"] = args.draft_vocab_size
+        if args.token_map and draft != "[ngram]":
+            kw["speculative_token_map"] = _user_file(args.token_map, "--token-map")
         if args.quantization_draft and draft != "[ngram]":
             kw["speculative_model_quantization"] = args.quantization_draft
         if args.ngram_first and draft != "[ngram]":
@@ -512,6 +538,35 @@ def cmd_chat(args) -> int:
 
 
 # ---------------------------------------------------------------- bench
+def cmd_token_map(args) -> int:
+    """Count token frequencies in a text corpus and write them as a token map (for --draft-vocab-size)."""
+    from specdecode.bench.datasets import corpus_texts
+    from specdecode.models.resolve import resolve_model
+    from specdecode.spec.draft_vocab import token_frequencies, write_token_map
+    from specdecode.tokenizer import load_tokenizer
+
+    out = Path(args.output).expanduser()
+    if out.is_dir():
+        raise CLIError(f"--output {args.output} is a directory; pass a file name")
+    path = resolve_model(_resolve_user_path(args.model, "target") if args.model else None, "target")
+    tokenizer = load_tokenizer(path, path.suffix == ".gguf")
+    texts = corpus_texts(args.dataset)
+    if not texts:
+        raise CLIError(f"{args.dataset} holds no text to count")
+    counts = token_frequencies(tokenizer, tqdm_if(texts, not args.no_progress, "counting tokens"), len(tokenizer))
+    n = write_token_map(out, tokenizer, counts, source=Path(args.dataset).name, top=args.top)
+    print(f"wrote {out}: {n} token ids seen in {int(counts.sum())} tokens of {len(texts)} texts, most frequent first",
+          file=sys.stderr)
+    return 0
+
+
+def tqdm_if(items: list, show: bool, desc: str):
+    if not show:
+        return items
+    from tqdm import tqdm
+    return tqdm(items, desc=desc, unit="text", file=sys.stderr)
+
+
 def cmd_bench(args) -> int:
     if args.verify_cost:
         return _bench_verify_cost(args)
@@ -543,7 +598,8 @@ def cmd_bench(args) -> int:
         ignore_eos=args.ignore_eos, chat_template=args.chat_template, ngram_min=args.ngram_min,
         ngram_max=args.ngram_max, dtype=args.dtype, quantization=args.quantization, num_threads=args.threads,
         max_model_len=args.max_model_len, warmup=not args.no_warmup, progress=not args.no_progress,
-        adaptive=args.adaptive, draft_p_mins=args.draft_p_min, draft_vocab_size=args.draft_vocab_size,
+        adaptive=args.adaptive, draft_p_mins=args.draft_p_min, draft_vocab_sizes=args.draft_vocab_size,
+        token_map=_user_file(args.token_map, "--token-map") if args.token_map else None,
         draft_quantization=args.quantization_draft, compile=args.compile)
     from specdecode.sampling_params import SamplingParams
     SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)  # validate early
@@ -723,6 +779,21 @@ def build_parser(with_serve: bool = False) -> argparse.ArgumentParser:
     _add_model_flags(b, "draft model for the 'draft' method (default: the built-in 0.5B draft when -m is omitted)",
                      with_k=False)
     b.set_defaults(func=cmd_bench)
+
+    t = sub.add_parser("token-map", formatter_class=_Formatter, help="rank tokens by frequency for a truncated draft head",
+                       description="Count how often each token occurs in a corpus (in a ShareGPT file, the model's "
+                                   "replies; in other datasets, the prompts) and write the ids, most frequent first, "
+                                   "with a fingerprint of the tokenizer. Pass the file to --token-map with "
+                                   "--draft-vocab-size N to keep the N most frequent in the draft's LM head.",
+                       epilog="example:\n  specdecode token-map --dataset ShareGPT_V3_unfiltered_cleaned_split.json "
+                              "-m draft.gguf -o qwen_tokens.json.gz")
+    t.add_argument("--dataset", required=True, metavar="PATH", help="ShareGPT JSON, JSONL or text (as for bench)")
+    t.add_argument("-m", "--model", default=None, help="the model whose tokenizer to count with (default: the built-in target)")
+    t.add_argument("-o", "--output", required=True, metavar="FILE", help="where to write the map (gzipped if it ends in .gz)")
+    t.add_argument("--top", type=_int_at_least(256), default=None, metavar="N",
+                   help="write only the N most frequent ids (default: every id that occurs)")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.set_defaults(func=cmd_token_map)
 
     s = sub.add_parser("serve", formatter_class=_Formatter, help="OpenAI-compatible HTTP server",
                        description="Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) "

@@ -2,40 +2,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 
 from specdecode.engine.model_runner import ModelRunner
-from specdecode.layers.linear import Linear
 from specdecode.layers.sampler import argmax, logits_to_probs, sample
+from specdecode.spec.draft_vocab import TruncatedHead
 from specdecode.spec.proposer import Proposal
-
-
-def draft_vocab_ids(tokenizer, eos_token_ids: set[int], size: int, vocab: int) -> torch.Tensor:
-    """Token ids a truncated draft head keeps: 0..size-1 plus every special / added token and EOS."""
-    extra = set(eos_token_ids) | set(getattr(tokenizer, "all_special_ids", []) or [])
-    extra |= set((getattr(tokenizer, "added_tokens_decoder", None) or {}).keys())
-    ids = sorted(set(range(min(size, vocab))) | {int(i) for i in extra if 0 <= int(i) < vocab})
-    return torch.tensor(ids, dtype=torch.long)
-
-
-class TruncatedHead(nn.Module):
-    """An LM head that scores only ``keep``; every other token gets logit -inf, i.e. probability 0.
-
-    The draft then proposes from (and reports the probabilities of) this restricted distribution, which the
-    rejection sampler handles like any other draft distribution: output stays exactly the target's."""
-
-    def __init__(self, head: Linear, keep: torch.Tensor, vocab: int):
-        super().__init__()
-        self.sub = head.select_rows(keep)
-        self.vocab = vocab
-        device = head.weight.device if head.weight is not None else head.packed.device
-        self.register_buffer("keep", keep.to(device), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        sub = self.sub(x)
-        out = sub.new_full((*sub.shape[:-1], self.vocab), float("-inf"))
-        out[..., self.keep] = sub
-        return out
 
 
 class DraftModelProposer:
@@ -51,16 +22,32 @@ class DraftModelProposer:
         self.runner = runner
         self.vocab = target_vocab
         self.p_min = p_min
-        model = runner.model
-        if vocab_ids is not None and len(vocab_ids) < model.args.vocab_size:
-            model.lm_head = TruncatedHead(model.lm_head, vocab_ids, model.args.vocab_size)
+        self.full_head = runner.model.lm_head
+        self._heads: dict[bytes, TruncatedHead] = {}
+        self.set_vocab(vocab_ids)
+
+    def set_vocab(self, vocab_ids: torch.Tensor | None) -> None:
+        """Score only ``vocab_ids`` (plus each request's context tokens) in the draft's LM head; None: all.
+        Heads are kept per vocabulary, so switching back and forth (the bench does) costs nothing."""
+        model = self.runner.model
+        vocab = model.args.vocab_size
+        if vocab_ids is None or len(vocab_ids) >= vocab:
+            model.lm_head = self.full_head
+            return
+        key = vocab_ids.cpu().numpy().tobytes()
+        if key not in self._heads:
+            self._heads[key] = TruncatedHead(self.full_head, vocab_ids, vocab)
+        model.lm_head = self._heads[key]
 
     def _catch_up(self, requests: list) -> list[torch.Tensor]:
         """Feed each request's tokens the draft has not seen; return each one's next-token logits [V]."""
         out: list[torch.Tensor | None] = [None] * len(requests)
         rows, idx = [], []
+        head = self.runner.model.lm_head
         for i, r in enumerate(requests):
             pending = r.all_token_ids[r.draft_computed:]
+            if isinstance(head, TruncatedHead):
+                head.add_context(pending)
             if r.draft_computed == 0:
                 out[i] = self.runner.prefill(r.slot, pending)
             else:
