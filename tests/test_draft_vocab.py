@@ -97,8 +97,9 @@ def test_context_tokens_join_the_head(tiny_models):
     assert torch.isinf(got[:, ~scored]).all()
     torch.testing.assert_close(got[:, scored], want[:, scored])
     head.max_context_tokens = 3
-    head.add_context([400, 401])
-    assert head.context_ids == [400, 401]  # over the bound: start over from the newest tokens
+    head.add_context([400, 300, 401])
+    assert head.context_ids == [300, 400, 401]  # over the bound: the least recently seen token (301) goes
+    torch.testing.assert_close(head(x)[:, [300, 400, 401]], want[:, [300, 400, 401]])
 
     # Tokens a request brings enter the head when the draft first reads them.
     head.max_context_tokens = 4096

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -149,22 +150,29 @@ class TruncatedHead(nn.Module):
         self.__dict__["source"] = head
         self.max_context_tokens = max_context_tokens
         self.context_ids: list[int] = []
+        self._recent: OrderedDict[int, None] = OrderedDict()  # context tokens, least recently seen first
         self.context_head: Linear | None = None
         self.register_buffer("context_index", torch.zeros(0, dtype=torch.long, device=device), persistent=False)
 
     def add_context(self, token_ids: Iterable[int]) -> None:
         """Also score these tokens from now on: a request's own prompt and output are where rare tokens
         (names, identifiers) the target will repeat come from."""
-        have = set(self.context_ids)
-        new = sorted({int(t) for t in token_ids if 0 <= int(t) < self.vocab} - self._kept - have)
-        if not new:
+        recent, changed = self._recent, False
+        for t in token_ids:
+            t = int(t)
+            if t in self._kept or not 0 <= t < self.vocab:
+                continue
+            changed |= t not in recent
+            recent[t] = None
+            recent.move_to_end(t)
+        # A long-running server would otherwise grow this set without bound: forget the tokens seen least
+        # recently, which belong to requests that finished long ago, never the running ones' newest.
+        while len(recent) > self.max_context_tokens:
+            recent.popitem(last=False)
+        if not changed:
             return
-        # A long-running server would otherwise grow this set without bound; the tokens of requests that
-        # finished long ago matter little, so start over from the newest ones.
-        ids = new if len(have) + len(new) > self.max_context_tokens else sorted(have | set(new))
-        ids = ids[: self.max_context_tokens]
-        index = torch.tensor(ids, dtype=torch.long)
-        self.context_ids = ids
+        index = torch.tensor(sorted(recent), dtype=torch.long)
+        self.context_ids = index.tolist()
         self.context_head = self.source.select_rows(index)
         self.context_index = index.to(self.keep.device)
 
