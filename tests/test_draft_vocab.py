@@ -102,7 +102,7 @@ def test_context_tokens_join_the_head(tiny_models):
     torch.testing.assert_close(head(x)[:, [300, 400, 401]], want[:, [300, 400, 401]])
 
     # Tokens a request brings enter the head when the draft first reads them.
-    head.max_context_tokens = 4096
+    head.max_context_tokens = 2048
     prompt = list(range(300, 330))
     llm.generate([{"prompt_token_ids": prompt}], GREEDY)
     assert set(prompt) <= set(head.context_ids) | set(head.keep.tolist())

@@ -140,8 +140,8 @@ class PackedLinear:
     def select_rows(self, rows: torch.Tensor) -> "PackedLinear":
         """The same format restricted to output channels ``rows`` (copied)."""
         if self.fmt == "w4a8":
-            q, sc = _w4_unpack(self)
-            return _w4_pack(q[rows], sc[rows], self.in_features)
+            q, sc = _w4_unpack_rows(self, rows)
+            return _w4_pack(q, sc, self.in_features)
         scale = self.scale[rows].contiguous() if self.scale is not None else None
         if self.fmt == "w8a8":
             return PackedLinear(self.fmt, _interleave(_w8a8_rows(self, 0, self.out_features)[rows]), scale,
@@ -289,6 +289,21 @@ def _w4_unpack(packed: PackedLinear, n0: int = 0, n1: int | None = None) -> tupl
     s = packed.scale[g0:g1].view(g1 - g0, nb, W8A8_GROUP).permute(0, 2, 1).reshape((g1 - g0) * W8A8_GROUP, nb)
     lo = n0 - g0 * W8A8_GROUP
     return q[lo:lo + n1 - n0], s[lo:lo + n1 - n0]
+
+
+def _w4_unpack_rows(packed: PackedLinear, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_w4_unpack`` of just the channels ``rows``, touching only their bytes (a draft head picks rows
+    out of a 150k-row weight at run time, so unpacking the whole of it each time is not an option)."""
+    rows = rows.to(packed.weight.device)
+    Kp = packed.weight.shape[1] * 2 // W8A8_GROUP
+    nb = Kp // ACT_BLOCK
+    G = packed.weight.shape[0]
+    g, lane = rows // W8A8_GROUP, rows % W8A8_GROUP
+    byte = packed.weight.view(G, nb, 4, W8A8_GROUP, 4)[g, :, :, lane, :]  # [n, block, quarter, byte]
+    u = torch.stack([byte & 0x0F, byte >> 4], dim=3)                       # [n, block, quarter, nibble, byte]
+    q = u.reshape(len(rows), Kp).to(torch.int8) - 8
+    s = packed.scale.view(G, nb, W8A8_GROUP)[g, :, lane]
+    return q, s
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:

@@ -138,7 +138,7 @@ class TruncatedHead(nn.Module):
     """An LM head that scores only ``keep`` and the context tokens added with ``add_context``; every other
     token gets logit -inf, i.e. probability 0."""
 
-    def __init__(self, head: Linear, keep: torch.Tensor, vocab: int, max_context_tokens: int = 4096):
+    def __init__(self, head: Linear, keep: torch.Tensor, vocab: int, max_context_tokens: int = 2048):
         super().__init__()
         self.sub = head.select_rows(keep)
         self.vocab = vocab
