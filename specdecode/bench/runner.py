@@ -246,8 +246,7 @@ class DraftPrefillTimer:
         for r, k in zip(requests, ks):
             if k > 0 and runner is not None and getattr(r, "draft_computed", None) == 0 and len(r.all_token_ids) > 1:
                 t0 = time.perf_counter()
-                runner.prefill(r.slot, r.all_token_ids[:-1])
-                r.draft_computed = len(r.all_token_ids) - 1
+                self.inner.prefill(r, len(r.all_token_ids) - 1)
                 self.elapsed += time.perf_counter() - t0
         return self.inner.propose(requests, ks, lookups)
 

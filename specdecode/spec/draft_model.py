@@ -39,20 +39,30 @@ class DraftModelProposer:
             self._heads[key] = TruncatedHead(self.full_head, vocab_ids, vocab)
         model.lm_head = self._heads[key]
 
+    def _note_context(self, token_ids: list[int]) -> None:
+        head = self.runner.model.lm_head
+        if isinstance(head, TruncatedHead):
+            head.add_context(token_ids)
+
+    def prefill(self, request, upto: int) -> torch.Tensor:
+        """Run the draft over a new request's first ``upto`` tokens; the logits after them."""
+        tokens = request.all_token_ids[:upto]
+        self._note_context(tokens)
+        request.draft_computed = upto
+        return self.runner.prefill(request.slot, tokens)
+
     def _catch_up(self, requests: list) -> list[torch.Tensor]:
         """Feed each request's tokens the draft has not seen; return each one's next-token logits [V]."""
         out: list[torch.Tensor | None] = [None] * len(requests)
         rows, idx = [], []
-        head = self.runner.model.lm_head
         for i, r in enumerate(requests):
-            pending = r.all_token_ids[r.draft_computed:]
-            if isinstance(head, TruncatedHead):
-                head.add_context(pending)
             if r.draft_computed == 0:
-                out[i] = self.runner.prefill(r.slot, pending)
-            else:
-                rows.append((r.slot, r.draft_computed, pending))
-                idx.append(i)
+                out[i] = self.prefill(r, len(r.all_token_ids))
+                continue
+            pending = r.all_token_ids[r.draft_computed:]
+            self._note_context(pending)
+            rows.append((r.slot, r.draft_computed, pending))
+            idx.append(i)
             r.draft_computed = len(r.all_token_ids)
         if rows:
             for i, lg in zip(idx, self.runner.forward_rows(rows, all_logits=False)):
