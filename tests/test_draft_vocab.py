@@ -145,3 +145,17 @@ def test_write_token_map_top(tiny_tok, tmp_path):
     assert write_token_map(tmp_path / "m.json", tiny_tok, counts, "test", top=2) == 2
     assert json.loads((tmp_path / "m.json").read_text())["token_ids"] == [8, 7]
     assert write_token_map(tmp_path / "all.json", tiny_tok, counts, "test") == 4
+
+
+def test_corpus_texts_take_the_replies_of_sharegpt(tmp_path):
+    from specdecode.bench.datasets import corpus_texts
+
+    conv = [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello there"},
+                               {"from": "human", "value": "  "}]},
+            {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q"},
+                          {"role": "assistant", "content": "a"}]}]
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(conv)[:-1])  # a cut-off download still counts its complete entries
+    assert corpus_texts(str(path)) == ["hello there", "a"]
+    (tmp_path / "p.txt").write_text("one\ntwo\n")
+    assert corpus_texts(str(tmp_path / "p.txt")) == ["one", "two"]

@@ -93,21 +93,28 @@ def _sharegpt_entries(text: str) -> tuple[list, bool]:
         items.append(obj)
 
 
+def _turns(entry) -> list[tuple[str, str]] | None:
+    """(role, text) of each non-empty turn of a ShareGPT-style conversation; None if ``entry`` is none."""
+    conv = entry.get("conversations") or entry.get("conversation") or entry.get("messages")
+    if not isinstance(conv, list):
+        return None
+    turns = []
+    for turn in conv:
+        if isinstance(turn, dict):
+            value = turn.get("value", turn.get("content"))
+            if isinstance(value, str) and value.strip():
+                turns.append((str(turn.get("from", turn.get("role", ""))).lower(), value))
+    return turns
+
+
 def _sharegpt_prompt(entry) -> str | None:
     if isinstance(entry, str):
         return entry
     if not isinstance(entry, dict):
         return None
-    conv = entry.get("conversations") or entry.get("conversation") or entry.get("messages")
-    if isinstance(conv, list):
-        for turn in conv:
-            if not isinstance(turn, dict):
-                continue
-            role = str(turn.get("from", turn.get("role", ""))).lower()
-            value = turn.get("value", turn.get("content"))
-            if role in _HUMAN_ROLES and isinstance(value, str) and value.strip():
-                return value
-        return None
+    turns = _turns(entry)
+    if turns is not None:
+        return next((value for role, value in turns if role in _HUMAN_ROLES), None)
     for k in _PROMPT_KEYS:
         if isinstance(entry.get(k), str):
             return entry[k]
@@ -235,14 +242,8 @@ def corpus_texts(spec: str) -> list[str]:
     if path.is_file():
         stripped = _read_text(path).lstrip()
         if stripped.startswith("["):
-            texts = []
-            for e in _sharegpt_entries(stripped)[0]:
-                conv = (e.get("conversations") or e.get("conversation") or e.get("messages")) if isinstance(e, dict) else None
-                for turn in conv if isinstance(conv, list) else ():
-                    role = str(turn.get("from", turn.get("role", ""))).lower() if isinstance(turn, dict) else ""
-                    value = turn.get("value", turn.get("content")) if isinstance(turn, dict) else None
-                    if role not in _HUMAN_ROLES + ("system",) and isinstance(value, str) and value.strip():
-                        texts.append(value)
+            texts = [value for e in _sharegpt_entries(stripped)[0] if isinstance(e, dict)
+                     for role, value in _turns(e) or () if role not in _HUMAN_ROLES + ("system",)]
             if texts:
                 return texts
     return [p.text for p in read_dataset(spec).prompts]
