@@ -441,6 +441,8 @@ def test_bad_startup_exits_2_with_one_line(tiny_models, tmp_path, capsys):
                  ["--model", str(tiny_models["llama"]), "--speculative-model", "[ngram]",
                   "--num-speculative-tokens", "0"],
                  ["--model", str(tiny_models["llama"]), "--max-num-seqs", "0"],
+                 ["--model", str(tiny_models["llama"]), "--speculative-model", str(tiny_models["llama"]),
+                  "--num-speculative-tokens", "2", "--speculative-token-map", str(tmp_path / "no-map.json")],
                  ["--model", str(tiny_models["llama"]), "--no-such-flag"],
                  ["--model", str(tiny_models["llama"]), "--port", "99999"]):
         with pytest.raises(SystemExit) as e:

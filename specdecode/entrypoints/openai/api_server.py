@@ -622,6 +622,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="Turn speculation off while the running batch has at least this many sequences.")
     s.add_argument("--speculative-model-quantization", default=None, choices=QUANTIZATION_CHOICES,
                    help="The draft model's weight format (default: the same as --quantization).")
+    s.add_argument("--speculative-draft-vocab-size", type=int, default=None, metavar="N",
+                   help="Draft head scores only N frequent tokens plus each request's context (same output).")
+    s.add_argument("--speculative-token-map", default=None, metavar="FILE",
+                   help="Token ids, most frequent first, for the draft head (SGLang's flag; JSON or .pt).")
     s.add_argument("--ngram-prompt-lookup-max", type=int, default=None, metavar="N")
     s.add_argument("--ngram-prompt-lookup-min", type=int, default=None, metavar="N")
 
@@ -631,8 +635,8 @@ def engine_kwargs_from_args(args: argparse.Namespace, model: str | None) -> dict
     kw: dict[str, Any] = {"model": model}
     for name in ("max_num_seqs", "max_model_len", "dtype", "quantization", "seed", "max_waiting_requests",
                  "speculative_model", "num_speculative_tokens", "speculative_disable_by_batch_size",
-                 "speculative_model_quantization", "compile",
-                 "ngram_prompt_lookup_max", "ngram_prompt_lookup_min"):
+                 "speculative_model_quantization", "compile", "speculative_draft_vocab_size",
+                 "speculative_token_map", "ngram_prompt_lookup_max", "ngram_prompt_lookup_min"):
         v = getattr(args, name, None)
         if v is not None:
             kw[name] = v
