@@ -553,18 +553,13 @@ def cmd_token_map(args) -> int:
     texts = corpus_texts(args.dataset)
     if not texts:
         raise CLIError(f"{args.dataset} holds no text to count")
-    counts = token_frequencies(tokenizer, tqdm_if(texts, not args.no_progress, "counting tokens"), len(tokenizer))
+    from tqdm import tqdm
+    progress = tqdm(texts, desc="counting tokens", unit="text", file=sys.stderr, disable=args.no_progress)
+    counts = token_frequencies(tokenizer, progress, len(tokenizer))
     n = write_token_map(out, tokenizer, counts, source=Path(args.dataset).name, top=args.top)
     print(f"wrote {out}: {n} token ids seen in {int(counts.sum())} tokens of {len(texts)} texts, most frequent first",
           file=sys.stderr)
     return 0
-
-
-def tqdm_if(items: list, show: bool, desc: str):
-    if not show:
-        return items
-    from tqdm import tqdm
-    return tqdm(items, desc=desc, unit="text", file=sys.stderr)
 
 
 def cmd_bench(args) -> int:
