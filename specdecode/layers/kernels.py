@@ -280,20 +280,12 @@ def _w4_pack(q: torch.Tensor, sc: torch.Tensor, K: int) -> PackedLinear:
 def _w4_unpack(packed: PackedLinear, n0: int = 0, n1: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Logical ``q [n1 - n0, Kp]`` (int8, -8..7) and fp16 scales ``[n1 - n0, Kp / 32]`` of a w4a8 weight."""
     n1 = packed.out_features if n1 is None else min(n1, packed.out_features)
-    g0, g1 = n0 // W8A8_GROUP, -(-n1 // W8A8_GROUP)
-    Kp = packed.weight.shape[1] * 2 // W8A8_GROUP
-    nb = Kp // ACT_BLOCK
-    byte = packed.weight[g0:g1].view(g1 - g0, nb, 4, W8A8_GROUP, 4).permute(0, 3, 1, 2, 4)
-    u = torch.stack([byte & 0x0F, byte >> 4], dim=4)         # [g, lane, block, quarter, nibble, byte]
-    q = (u.reshape((g1 - g0) * W8A8_GROUP, Kp).to(torch.int8) - 8)
-    s = packed.scale[g0:g1].view(g1 - g0, nb, W8A8_GROUP).permute(0, 2, 1).reshape((g1 - g0) * W8A8_GROUP, nb)
-    lo = n0 - g0 * W8A8_GROUP
-    return q[lo:lo + n1 - n0], s[lo:lo + n1 - n0]
+    return _w4_unpack_rows(packed, torch.arange(n0, n1))
 
 
 def _w4_unpack_rows(packed: PackedLinear, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_w4_unpack`` of just the channels ``rows``, touching only their bytes (a draft head picks rows
-    out of a 150k-row weight at run time, so unpacking the whole of it each time is not an option)."""
+    """Logical ``q`` and scales of just the channels ``rows`` (in that order), touching only their bytes: a
+    draft head picks rows out of a 150k-row weight at run time, so unpacking all of it is not an option."""
     rows = rows.to(packed.weight.device)
     Kp = packed.weight.shape[1] * 2 // W8A8_GROUP
     nb = Kp // ACT_BLOCK
