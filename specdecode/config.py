@@ -67,6 +67,20 @@ class SpeculativeConfig:
     # runs only for requests whose context ends in no n-gram seen before. With adaptive, each request
     # keeps the two kinds' acceptance apart and a step uses the one expected to give more tokens/s.
     ngram_first: bool = False
+    # With ngram_first: the most tokens one lookup drafts (None: num_speculative_tokens, as in transformers'
+    # prompt_lookup_num_tokens). A looked-up draft costs no draft-model pass, so inside a copied span it
+    # pays to go deeper than the draft model does; with adaptive, k still follows each kind's acceptance.
+    prompt_lookup_num_tokens: int | None = None
+
+    @property
+    def lookup_k(self) -> int:
+        """The most tokens one lookup drafts (ngram_first)."""
+        return self.prompt_lookup_num_tokens or self.num_speculative_tokens
+
+    @property
+    def max_k(self) -> int:
+        """The most tokens any step drafts, whichever kind drafts them."""
+        return max(self.num_speculative_tokens, self.lookup_k if self.ngram_first else 0)
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -104,6 +118,13 @@ class SpeculativeConfig:
                 raise _err(f"token_map must be the path of an existing file, got {self.token_map!r}.")
         if self.ngram_first and self.method != "draft_model":
             raise _err("ngram_first combines prompt lookup with a draft model; with method 'ngram' there is none.")
+        n = self.prompt_lookup_num_tokens
+        if n is not None:
+            if not self.ngram_first:
+                raise _err("prompt_lookup_num_tokens caps the lookups of ngram_first (prompt lookup before a draft "
+                           "model); with method 'ngram' num_speculative_tokens is the cap.")
+            if not isinstance(n, int) or isinstance(n, bool) or not (1 <= n <= MAX_SPEC_TOKENS):
+                raise _err(f"prompt_lookup_num_tokens must be an integer in 1..{MAX_SPEC_TOKENS}, got {n!r}.")
         if self.quantization is not None:
             if self.method != "draft_model":
                 raise _err("speculative quantization only applies to a draft model (n-gram drafting has none).")
@@ -200,7 +221,7 @@ class EngineConfig:
                                          "speculative_disable_by_batch_size", "speculative_draft_p_min",
                                          "speculative_adaptive", "speculative_draft_vocab_size",
                                          "speculative_model_quantization", "speculative_ngram_first",
-                                         "speculative_token_map") if k in kw}
+                                         "speculative_token_map", "prompt_lookup_num_tokens") if k in kw}
         if sc is not None and legacy:
             raise _err("Pass either speculative_config={...} or the legacy speculative_* keywords, not both.")
         if isinstance(sc, SpeculativeConfig):
@@ -222,7 +243,8 @@ class EngineConfig:
                                  ("speculative_draft_vocab_size", "draft_vocab_size"),
                                  ("speculative_model_quantization", "quantization"),
                                  ("speculative_ngram_first", "ngram_first"),
-                                 ("speculative_token_map", "token_map")):
+                                 ("speculative_token_map", "token_map"),
+                                 ("prompt_lookup_num_tokens", "prompt_lookup_num_tokens")):
                     if legacy.get(src) is not None:
                         spec_dict[dst] = legacy[src]
                 if spec_dict.get("model") is None:

@@ -200,7 +200,7 @@ def test_lookup_and_draft_model_acceptance_are_kept_apart():
     assert c.lookup_prior.kind_rates()[0] < 0.05 and c.prior.kind_rates()[0] > 0.95
 
 
-def _hybrid_run(llm_cache, tiny_models, draft, lookup, monkeypatch):
+def _hybrid_run(llm_cache, tiny_models, draft, lookup, monkeypatch, **spec):
     """Adaptive ngram_first with a stand-in for prompt lookup (``lookup(plain outputs)`` gives it), on costs
     where drafting pays whenever drafts are accepted; greedy output must stay plain's. Returns the engine's
     spec stats and the engine-wide first-token rate of looked-up drafts."""
@@ -208,7 +208,7 @@ def _hybrid_run(llm_cache, tiny_models, draft, lookup, monkeypatch):
 
     plain = gen_ids(llm_cache.get(tiny_models["llama"]), PROMPTS, max_tokens=24, **GREEDY)
     llm = llm_cache.get(tiny_models["llama"], speculative_model=draft, num_speculative_tokens=3,
-                        speculative_adaptive=True, speculative_ngram_first=True)
+                        speculative_adaptive=True, speculative_ngram_first=True, **spec)
     eng = llm.engine
     saved = eng.costs
     eng.costs = _costs({1: 0.10, 2: 0.10, 3: 0.10, 4: 0.10}, 0.01)
@@ -234,16 +234,31 @@ def test_hybrid_turns_off_failing_lookups_but_keeps_a_good_draft_model(one_threa
     assert s.num_accepted_tokens / s.num_draft_tokens > 0.6
 
 
+def _oracle(plain):  # a lookup that always finds the target's own continuation
+    def find(tokens, k, lo, hi):
+        for p, want in zip(PROMPTS, plain):
+            if tokens[:len(p)] == p and tokens[len(p):] == want[:len(tokens) - len(p)]:
+                return want[len(tokens) - len(p):][:k]
+        return []
+    return find
+
+
 def test_hybrid_prefers_lookups_that_beat_the_draft_model(one_thread, llm_cache, tiny_models, noisy_drafts,
                                                           monkeypatch):
-    def oracle(plain):  # a lookup that always finds the target's own continuation
-        def find(tokens, k, lo, hi):
-            for p, want in zip(PROMPTS, plain):
-                if tokens[:len(p)] == p and tokens[len(p):] == want[:len(tokens) - len(p)]:
-                    return want[len(tokens) - len(p):][:k]
-            return []
-        return find
-
-    s, lookup_rate = _hybrid_run(llm_cache, tiny_models, noisy_drafts["llama"], oracle, monkeypatch)
+    s, lookup_rate = _hybrid_run(llm_cache, tiny_models, noisy_drafts["llama"], _oracle, monkeypatch)
     assert s.num_accepted_tokens == s.num_draft_tokens  # every draft was a (perfect) lookup
     assert lookup_rate > 0.9
+    assert len(s.accepted_per_pos) == 3
+
+
+def test_hybrid_lookups_go_deeper_than_the_draft_model(one_thread, llm_cache, tiny_models, noisy_drafts,
+                                                       monkeypatch):
+    """prompt_lookup_num_tokens=8 with k=3: calibrated up to 9 rows, and perfect lookups run past 3."""
+    s, _ = _hybrid_run(llm_cache, tiny_models, noisy_drafts["llama"], _oracle, monkeypatch,
+                       prompt_lookup_num_tokens=8)
+    assert s.num_accepted_tokens == s.num_draft_tokens
+    assert len(s.accepted_per_pos) > 3 and s.accepted_per_pos[3] > 0
+    costs = llm_cache.get(tiny_models["llama"], speculative_model=noisy_drafts["llama"], num_speculative_tokens=3,
+                          speculative_adaptive=True, speculative_ngram_first=True,
+                          prompt_lookup_num_tokens=8).engine.costs
+    assert all(sorted(t) == calibration_rows(8) for t in costs.verify.values())

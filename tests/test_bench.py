@@ -209,6 +209,24 @@ def test_bench_draft_vocab_size_list(tiny_models, tiny_draft, spec_bench_file, t
     assert p.returncode == 2 and "0 (the full head) or >= 256" in p.stderr and "Traceback" not in p.stderr
 
 
+def test_bench_lookup_k_list(tiny_models, tiny_draft, spec_bench_file, tmp_path):
+    """--ngram-draft 0,8: hybrid configs with the lookup capped at k and at 8; draft configs have no lookup.
+    Greedy output exact in all; without a hybrid config the flag is an error."""
+    out = tmp_path / "bench.json"
+    p = run_cli("bench", "-m", tiny_models["llama"], "-md", tiny_draft, "--dataset", spec_bench_file,
+                "--num-prompts", 1, "--max-tokens", 16, "--ignore-eos", "--method", "draft,hybrid", "--k", "2",
+                "--ngram-draft", "0,8,2", "--output-json", out, "-t", 1, "--no-progress")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(out.read_text())
+    assert [(c["name"], c["lookup_k"]) for c in r["configs"]] == \
+        [("baseline", None), ("draft k=2", None), ("hybrid k=2", None), ("hybrid k=2 lookup=8", 8)]
+    assert all(r["overall"][c["name"]]["greedy_mismatches"] == 0 for c in r["configs"])
+    assert r["meta"]["lookup_k"] == [None, 2, 8]
+    for args in (["--method", "draft", "--ngram-draft", "8"], ["--ngram-draft", "17"]):
+        p = run_cli("bench", "-m", tiny_models["llama"], "-md", tiny_draft, "--dataset", spec_bench_file, *args)
+        assert p.returncode == 2 and "--ngram-draft" in p.stderr and "Traceback" not in p.stderr
+
+
 def test_bench_draft_p_min_list(tiny_models, tiny_draft, spec_bench_file, tmp_path):
     """--draft-p-min P,P: one draft config per value, each run with its own threshold (a high one stops the
     random tiny draft early, so it drafts fewer tokens per step), greedy output still exact."""

@@ -334,3 +334,27 @@ def test_ngram_first_validation_and_defaults(tiny_models, tiny_draft):
     assert (cfg.speculative.prompt_lookup_min, cfg.speculative.prompt_lookup_max) == (3, 4)
     cfg = EngineConfig.from_kwargs(model=model, speculative_model="[ngram]", num_speculative_tokens=2)
     assert cfg.speculative.prompt_lookup_min == 1
+
+
+def test_prompt_lookup_num_tokens(tiny_models, tiny_draft):
+    """The lookup's own cap (ngram_first only): validated, defaulting to k, and the widest k calibrated."""
+    from specdecode.config import EngineConfig
+
+    model, draft = str(tiny_models["llama"]), str(tiny_draft)
+    _raises(lambda: EngineConfig.from_kwargs(model=model, speculative_model="[ngram]", num_speculative_tokens=2,
+                                             prompt_lookup_num_tokens=8), "prompt_lookup_num_tokens", "ngram_first")
+    _raises(lambda: EngineConfig.from_kwargs(model=model, speculative_model=draft, num_speculative_tokens=2,
+                                             prompt_lookup_num_tokens=8), "prompt_lookup_num_tokens", "ngram_first")
+    for bad in (0, 17, 2.5, True):
+        _raises(lambda: EngineConfig.from_kwargs(model=model, speculative_config={
+            "model": draft, "num_speculative_tokens": 2, "ngram_first": True, "prompt_lookup_num_tokens": bad}),
+            "prompt_lookup_num_tokens", "1..16")
+    spec = EngineConfig.from_kwargs(model=model, speculative_model=draft, num_speculative_tokens=3,
+                                    speculative_ngram_first=True).speculative
+    assert (spec.lookup_k, spec.max_k) == (3, 3)
+    spec = EngineConfig.from_kwargs(model=model, speculative_model=draft, num_speculative_tokens=3,
+                                    speculative_ngram_first=True, prompt_lookup_num_tokens=10).speculative
+    assert (spec.lookup_k, spec.max_k) == (10, 10)
+    spec = EngineConfig.from_kwargs(model=model, speculative_config={
+        "model": draft, "num_speculative_tokens": 6, "ngram_first": True, "prompt_lookup_num_tokens": 2}).speculative
+    assert (spec.lookup_k, spec.max_k) == (2, 6)

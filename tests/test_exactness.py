@@ -294,3 +294,36 @@ def test_ngram_first_keeps_greedy_exact(fam, plain, llm_cache, tiny_models, nois
     proposer = llm.engine.proposer
     assert [list(o.outputs[0].token_ids) for o in outs] == plain(fam)[0]
     assert sum(looked) > 0 and proposer.runner.num_passes > 0
+
+
+def test_deeper_lookups_than_the_draft_model_keep_greedy_exact(plain, llm_cache, tiny_models, noisy_drafts,
+                                                              monkeypatch):
+    """prompt_lookup_num_tokens: lookups draft up to 8 tokens while the draft model drafts 2. A lookup that
+    knows plain greedy's continuation, corrupted at every third step, so that deep drafts are verified, cut
+    short and followed by draft-model steps whose cache must catch up on the copied tokens."""
+    import specdecode.engine.llm_engine as le
+
+    fam = "llama"
+    want = plain(fam)[0]
+    llm = llm_cache.get(tiny_models[fam], speculative_model=noisy_drafts[fam], num_speculative_tokens=2,
+                        speculative_ngram_first=True, prompt_lookup_num_tokens=8)
+    caps, calls = [], [0]
+
+    def lookup(tokens, k, lo, hi):
+        caps.append(k)
+        calls[0] += 1
+        for p, out in zip(PROMPTS, want):
+            ids = llm.engine.encode_prompt(p)
+            if tokens[:len(ids)] == ids and tokens[len(ids):] == out[:len(tokens) - len(ids)]:
+                found = out[len(tokens) - len(ids):][:k]
+                if calls[0] % 3 == 0 and len(found) > 3:
+                    found = found[:3] + [(found[3] + 1) % 50] + found[4:]  # rejected at position 4
+                return found if calls[0] % 5 else []  # every fifth step: the draft model's turn
+        return []
+    monkeypatch.setattr(le, "ngram_lookup", lookup)
+    outs = _generate(llm, PROMPTS, max_tokens=MAX_TOKENS, **GREEDY)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    stats = llm.engine.spec_stats
+    assert set(caps) >= {8} and max(caps) == 8
+    assert len(stats.accepted_per_pos) == 8 and stats.accepted_per_pos[4] > 0  # runs past the draft model's k
+    assert llm.engine.proposer.runner.num_passes > 0

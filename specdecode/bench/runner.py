@@ -52,21 +52,25 @@ class BenchConfig:
     k: int = 0
     p_min: float = 0.0  # draft / hybrid: SpeculativeConfig.draft_p_min
     vocab: int | None = None  # draft / hybrid: SpeculativeConfig.draft_vocab_size (None: the full LM head)
+    lookup_k: int | None = None  # hybrid: SpeculativeConfig.prompt_lookup_num_tokens (None: k)
 
 
 def make_configs(methods: list[str], ks: list[int], p_mins: list[float] = (0.0,),
-                 vocab_sizes: list[int | None] = (None,)) -> list[BenchConfig]:
+                 vocab_sizes: list[int | None] = (None,), lookup_ks: list[int | None] = (None,)) -> list[BenchConfig]:
     """Baseline first, then each method x k (x draft_p_min x draft_vocab_size for the methods that run the
-    draft model)."""
+    draft model, x lookup k for hybrid)."""
     configs = [BenchConfig("baseline", None, 0)]
     for m in methods:
         for k in ks:
             draft = m in ("draft", "hybrid")
             for p in (p_mins if draft else (0.0,)):
                 for v in (vocab_sizes if draft else (None,)):
-                    name = f"{m} k={k}" + (f" p={p:g}" if p else "") + (f" v={v}" if v else "")
-                    configs.append(BenchConfig(name, m, k, p, v))
-    return configs
+                    for lk in (lookup_ks if m == "hybrid" else (None,)):
+                        lk = None if lk == k else lk
+                        name = (f"{m} k={k}" + (f" p={p:g}" if p else "") + (f" v={v}" if v else "")
+                                + (f" lookup={lk}" if lk else ""))
+                        configs.append(BenchConfig(name, m, k, p, v, lk))
+    return list(dict.fromkeys(configs))
 
 
 @dataclass
@@ -84,6 +88,8 @@ class BenchSettings:
     chat_template: str = "auto"       # "auto" (when the tokenizer has one), "on", "off"
     ngram_min: int | None = None      # None: config.default_lookup_min (1 for ngram, 3 for hybrid)
     ngram_max: int = 4
+    lookup_ks: list[int | None] = field(default_factory=lambda: [None])  # hybrid: the most tokens one lookup
+    # drafts, one config per value (None: the config's k)
     dtype: str = "auto"
     quantization: str | None = None
     num_threads: int | None = None
@@ -293,7 +299,8 @@ def run_timed(engine, rid: str, ids: list[int], params, on_step=None, should_abo
 class BenchRunner:
     def __init__(self, settings: BenchSettings):
         self.s = settings
-        self.configs = make_configs(settings.methods, settings.ks, settings.draft_p_mins, settings.draft_vocab_sizes)
+        self.configs = make_configs(settings.methods, settings.ks, settings.draft_p_mins, settings.draft_vocab_sizes,
+                                    settings.lookup_ks)
         self.engine = None
         self.use_chat = False
         self._counter = 0
@@ -316,7 +323,7 @@ class BenchRunner:
         need_draft = "draft" in s.methods or "hybrid" in s.methods
         kw = dict(model=s.model, max_num_seqs=1, dtype=s.dtype, quantization=s.quantization, seed=s.seed,
                   num_threads=s.num_threads, max_model_len=s.max_model_len, compile=s.compile)
-        kmax = max(s.ks) if s.ks else 1
+        kmax = max(s.ks + [lk for lk in s.lookup_ks if lk and "hybrid" in s.methods]) if s.ks else 1
         from specdecode.config import default_lookup_min
         ngram_min = s.ngram_min or default_lookup_min(False, s.ngram_max)
         hybrid_min = s.ngram_min or default_lookup_min(True, s.ngram_max)
@@ -356,7 +363,8 @@ class BenchRunner:
                     base, num_speculative_tokens=c.k, adaptive=s.adaptive, draft_p_min=c.p_min, ngram_first=hybrid,
                     draft_vocab_size=c.vocab, token_map=base.token_map if c.vocab else None,
                     prompt_lookup_min=hybrid_min if hybrid else base.prompt_lookup_min,
-                    prompt_lookup_max=s.ngram_max if hybrid else base.prompt_lookup_max)
+                    prompt_lookup_max=s.ngram_max if hybrid else base.prompt_lookup_max,
+                    prompt_lookup_num_tokens=c.lookup_k if hybrid else None)
         if s.adaptive:  # a truncated draft head makes the draft step cheaper, so each head gets its own timing
             drafting = [c for c in self.configs if c.method in ("draft", "hybrid")]
             for vocab in dict.fromkeys(c.vocab for c in drafting):
@@ -487,6 +495,7 @@ class BenchRunner:
             "token_map": s.token_map,
             "draft_quantization": s.draft_quantization,
             "chat_template": self.use_chat, "ngram_min": self._ngram_mins, "ngram_max": s.ngram_max,
+            "lookup_k": s.lookup_ks,
             "dtype": s.dtype, "quantization": s.quantization, "threads": torch.get_num_threads(),
             "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
             "processor": platform.processor() or None, "load_time_s": eng.load_time, "bench_wall_time_s": wall,

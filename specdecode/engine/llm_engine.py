@@ -82,7 +82,7 @@ class LLMEngine:
         spec = self.config.speculative
         t0 = time.perf_counter()
         costs = calibrate(self.target, getattr(self.proposer, "runner", None),
-                          spec.num_speculative_tokens if spec is not None else 1, self.max_model_len)
+                          spec.max_k if spec is not None else 1, self.max_model_len)
         logger.info("Calibrated adaptive speculation costs in %.1f s", time.perf_counter() - t0)
         return costs
 
@@ -174,13 +174,13 @@ class LLMEngine:
         r.metrics.first_token_time = time.time()
         self._commit(r, result.tokens[0], logits[None])
 
-    def _spec_budget(self, r: Request, n_running: int) -> int:
-        """The most tokens r may draft this step: the configured k, clamped to the tokens left."""
+    def _spec_budget(self, r: Request, n_running: int, k: int) -> int:
+        """The most tokens r may draft this step: k, clamped to the tokens left."""
         spec = self.config.speculative
         if self.proposer is None or (spec.disable_by_batch_size and n_running >= spec.disable_by_batch_size):
             return 0
         left = min(r.max_tokens - r.num_output_tokens - 1, self.max_model_len - len(r.all_token_ids))
-        return max(0, min(spec.num_speculative_tokens, left))
+        return max(0, min(k, left))
 
     def _choose_k(self, r: Request, cap: int, lookup: bool) -> int:
         """k for r's drafts of one kind (looked up in the context, or from the draft model): the cap, or with
@@ -194,8 +194,11 @@ class LLMEngine:
         """This step's drafts, which requests' drafts were looked up in their context, and (ngram_first)
         every lookup that matched, used or not."""
         spec = self.config.speculative
-        caps = [self._spec_budget(r, n_running) for r in reqs]
-        if not any(caps):
+        if spec is None:
+            return Proposal([[] for _ in reqs]), [False] * len(reqs), [[] for _ in reqs]
+        caps = [self._spec_budget(r, n_running, spec.num_speculative_tokens) for r in reqs]
+        lookup_caps = [self._spec_budget(r, n_running, spec.lookup_k) for r in reqs] if spec.ngram_first else caps
+        if not any(caps) and not any(lookup_caps):
             return Proposal([[] for _ in reqs]), [False] * len(reqs), [[] for _ in reqs]
         if spec.method == "ngram":
             ks = [self._choose_k(r, cap, lookup=True) for r, cap in zip(reqs, caps)]
@@ -204,9 +207,9 @@ class LLMEngine:
         if not spec.ngram_first:
             return self.proposer.propose(reqs, ks), [False] * len(reqs), [[] for _ in reqs]
         found = [ngram_lookup(r.all_token_ids, cap, spec.prompt_lookup_min, spec.prompt_lookup_max) if cap else []
-                 for r, cap in zip(reqs, caps)]
+                 for r, cap in zip(reqs, lookup_caps)]
         use = []
-        for r, cap, k, f in zip(reqs, caps, ks, found):
+        for r, cap, k, f in zip(reqs, lookup_caps, ks, found):
             kl = self._choose_k(r, cap, lookup=True) if f else 0
             if kl and k and spec.adaptive and (
                     self.costs.expected_rate(r.lookup_acceptance, min(kl, len(f)), True, len(r.all_token_ids))

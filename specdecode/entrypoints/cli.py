@@ -113,6 +113,11 @@ def _vocab_list(s: str) -> list[int | None]:
     return [v or None for v in sizes]
 
 
+def _lookup_list(s: str) -> list[int | None]:
+    """--ngram-draft for the bench: 1..16, or 0 for the config's own k (None)."""
+    return [v or None for v in _list_of(_int_at_least(0, 16), "integers")(s)]
+
+
 def _name_list(choices: dict[str, str]):
     def parse(s: str) -> list[str]:
         out = []
@@ -166,6 +171,14 @@ def _add_model_flags(p: argparse.ArgumentParser, draft_help: str, with_k: bool =
                    help="with a draft model: use prompt lookup (--ngram-min/--ngram-max) where the context ends in "
                         "an n-gram seen before, and the draft model only elsewhere (with --adaptive: whichever "
                         "of the two is expected to pay more, from each one's own acceptance)")
+    lookup_help = ("the most tokens one prompt lookup drafts, 1..16 (default: the draft model's k); lookups cost "
+                   "no draft pass, so copied spans can be verified deeper")
+    if with_k:
+        g.add_argument("--ngram-draft", type=_int_at_least(1, 16), default=None, metavar="N",
+                       help="with --ngram-first: " + lookup_help)
+    else:
+        g.add_argument("--ngram-draft", type=_lookup_list, default=[None], metavar="N,N",
+                       help="hybrid configs: " + lookup_help + "; one config per value, 0 = k")
     g.add_argument("--ngram-min", type=_int_at_least(1), default=None, metavar="N",
                    help="n-gram drafting: shortest suffix to look up (default 1; 3 with --ngram-first)")
     g.add_argument("--ngram-max", type=_int_at_least(1), default=4, metavar="N",
@@ -274,6 +287,10 @@ def _engine_kwargs(args, k: int | None) -> dict:
             kw["speculative_model_quantization"] = args.quantization_draft
         if args.ngram_first and draft != "[ngram]":
             kw["speculative_ngram_first"] = True
+            kw["prompt_lookup_num_tokens"] = args.ngram_draft
+        elif args.ngram_draft is not None:
+            raise CLIError("--ngram-draft caps the lookups of --ngram-first; pass --ngram-first with a draft "
+                           "model (with -md [ngram], --draft is the lookup's k)")
         if draft == "[ngram]" or args.ngram_first:
             if args.ngram_min is not None and args.ngram_min > args.ngram_max:
                 raise CLIError(f"--ngram-min ({args.ngram_min}) must not exceed --ngram-max ({args.ngram_max})")
@@ -584,6 +601,8 @@ def cmd_bench(args) -> int:
         if choice is None or choice == "[ngram]":
             raise CLIError("--method draft/hybrid needs a draft model: pass -md DRAFT (or drop them from --method)")
         draft = None if choice == "default" else _resolve_user_path(choice, "draft")
+    if any(args.ngram_draft) and "hybrid" not in methods:
+        raise CLIError("--ngram-draft caps the lookups of hybrid configs: add hybrid to --method")
     for out in (args.output_json,):
         if out and Path(out).is_dir():
             raise CLIError(f"--output-json {out} is a directory; pass a file name")
@@ -593,7 +612,7 @@ def cmd_bench(args) -> int:
         ignore_eos=args.ignore_eos, chat_template=args.chat_template, ngram_min=args.ngram_min,
         ngram_max=args.ngram_max, dtype=args.dtype, quantization=args.quantization, num_threads=args.threads,
         max_model_len=args.max_model_len, warmup=not args.no_warmup, progress=not args.no_progress,
-        adaptive=args.adaptive, draft_p_mins=args.draft_p_min, draft_vocab_sizes=args.draft_vocab_size,
+        lookup_ks=args.ngram_draft, adaptive=args.adaptive, draft_p_mins=args.draft_p_min, draft_vocab_sizes=args.draft_vocab_size,
         token_map=_user_file(args.token_map, "--token-map") if args.token_map else None,
         draft_quantization=args.quantization_draft, compile=args.compile)
     from specdecode.sampling_params import SamplingParams
