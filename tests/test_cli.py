@@ -84,6 +84,20 @@ def test_generate_json_with_draft_model(tiny_models, tiny_draft):
         assert key in s
 
 
+def test_generate_with_deeper_lookups(tiny_models, tiny_draft):
+    """--ngram-first --ngram-draft 8 with --draft 2: a repetitive prompt gets lookups deeper than the draft
+    model's k, and the output equals plain decoding's."""
+    prompt = "one two three four five six seven eight nine ten " * 6
+    args = ["-m", tiny_models["llama"], "-p", prompt, "-n", 24, "--json", "-t", 1, "--ignore-eos"]
+    plain = json.loads(run_cli("generate", *args, "-md", "none").stdout)
+    p = run_cli("generate", *args, "-md", tiny_draft, "--draft", 2, "--ngram-first", "--ngram-min", 1,
+                "--ngram-draft", 8)
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert d["token_ids"] == plain["token_ids"]
+    assert d["stats"]["n_drafted"] > 2 * d["stats"]["n_drafts"]  # more than the draft model's k per step
+
+
 def test_missing_model_is_one_line_exit_2(tmp_path):
     p = run_cli("generate", "-m", tmp_path / "nope.gguf", "-p", "hi")
     assert_one_line_error(p, "nope.gguf")
@@ -105,6 +119,8 @@ def test_user_errors_are_one_line_exit_2(tiny_models, tmp_path, capsys):
     check(["bench", "--dataset", "humaneval", "--method", "foo"], "unknown method")
     check(["generate", "-m", llama, "-md", tmp_path / "no-draft"], "no-draft")       # missing draft
     check(["generate", "-m", llama, "-f", tmp_path / "no-prompt.txt"], "no-prompt.txt")
+    check(["generate", "-m", llama, "-md", "ngram", "--ngram-draft", "8", "-p", "hi"], "--ngram-draft", "--ngram-first")
+    check(["generate", "-m", llama, "--ngram-first", "--ngram-draft", "17", "-p", "hi"], "--ngram-draft", "1..16")
     # a ValueError raised by the engine (here: the prompt does not fit the context) is a user error too
     check(["generate", "-m", llama, "-md", "none", "-t", 1, "--max-model-len", "8", "-p", "The quick brown fox " * 4],
           "max_model_len")

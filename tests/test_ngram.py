@@ -60,6 +60,13 @@ def test_min_length_is_respected():
     assert ngram_lookup(toks, 3, 2, 3) == []
 
 
+def test_a_copy_runs_on_into_its_own_proposal():
+    """The latest match of a short cycle ends near the context's end; the copy continues the cycle up to k."""
+    assert ngram_lookup([5, 6, 5, 6, 5, 6, 5], 6, 1, 2) == [6, 5, 6, 5, 6, 5]
+    assert ngram_lookup([4, 4, 4], 8, 1, 2) == [4] * 8
+    assert ngram_lookup([9, 1, 2, 3, 1, 2], 7, 2, 2) == [3, 1, 2, 3, 1, 2, 3]
+
+
 def test_nothing_matches_returns_empty():
     assert ngram_lookup([1, 2, 3, 4, 5, 6], 4, 1, 4) == []
     assert ngram_lookup([9], 4, 1, 4) == []  # a single token has no earlier context
