@@ -190,52 +190,55 @@ def test_bench_truncated_sharegpt_and_verify_cost(tiny_models, sharegpt_truncate
     assert [ln[0] for ln in lines] == ["1", "2", "4"] and lines[0][3] == "1.00x"
 
 
+def _bench_list(models: tuple, tmp_path, *args) -> dict:
+    """A short bench of the tiny pair, (target, draft, dataset) = models, with the given flags; its JSON."""
+    target, draft, dataset = models
+    out = tmp_path / "bench.json"
+    p = run_cli("bench", "-m", target, "-md", draft, "--dataset", dataset, "--num-prompts", 1, "--max-tokens", 16,
+                "--ignore-eos", *args, "--output-json", out, "-t", 1, "--no-progress")
+    assert p.returncode == 0, p.stderr
+    return json.loads(out.read_text())
+
+
+def _bench_error(models: tuple, *args) -> str:
+    """stderr of a bench that must fail on its flags: exit 2, no traceback."""
+    target, draft, dataset = models
+    p = run_cli("bench", "-m", target, "-md", draft, "--dataset", dataset, *args)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    return p.stderr
+
+
 def test_bench_draft_vocab_size_list(tiny_models, tiny_draft, spec_bench_file, tmp_path):
     """--draft-vocab-size 0,N: a full-head and a truncated-head config on the same proposer, each with its
     own head, greedy output exact in both."""
-    out = tmp_path / "bench.json"
-    p = run_cli("bench", "-m", tiny_models["llama"], "-md", tiny_draft, "--dataset", spec_bench_file,
-                "--num-prompts", 1, "--max-tokens", 16, "--ignore-eos", "--method", "draft,hybrid", "--k", "3",
-                "--draft-vocab-size", "0,256", "--output-json", out, "-t", 1, "--no-progress")
-    assert p.returncode == 0, p.stderr
-    r = json.loads(out.read_text())
+    models = (tiny_models["llama"], tiny_draft, spec_bench_file)
+    r = _bench_list(models, tmp_path, "--method", "draft,hybrid", "--k", "3", "--draft-vocab-size", "0,256")
     assert [(c["name"], c["draft_vocab_size"]) for c in r["configs"]] == \
         [("baseline", None), ("draft k=3", None), ("draft k=3 v=256", 256), ("hybrid k=3", None),
          ("hybrid k=3 v=256", 256)]
     assert all(r["overall"][c["name"]]["greedy_mismatches"] == 0 for c in r["configs"])
     assert r["meta"]["draft_vocab_size"] == [None, 256]
-    p = run_cli("bench", "-m", tiny_models["llama"], "-md", tiny_draft, "--dataset", spec_bench_file,
-                "--draft-vocab-size", "100")
-    assert p.returncode == 2 and "0 (the full head) or >= 256" in p.stderr and "Traceback" not in p.stderr
+    assert "0 (the full head) or >= 256" in _bench_error(models, "--draft-vocab-size", "100")
 
 
 def test_bench_lookup_k_list(tiny_models, tiny_draft, spec_bench_file, tmp_path):
     """--ngram-draft 0,8: hybrid configs with the lookup capped at k and at 8; draft configs have no lookup.
     Greedy output exact in all; without a hybrid config the flag is an error."""
-    out = tmp_path / "bench.json"
-    p = run_cli("bench", "-m", tiny_models["llama"], "-md", tiny_draft, "--dataset", spec_bench_file,
-                "--num-prompts", 1, "--max-tokens", 16, "--ignore-eos", "--method", "draft,hybrid", "--k", "2",
-                "--ngram-draft", "0,8,2", "--output-json", out, "-t", 1, "--no-progress")
-    assert p.returncode == 0, p.stderr
-    r = json.loads(out.read_text())
+    models = (tiny_models["llama"], tiny_draft, spec_bench_file)
+    r = _bench_list(models, tmp_path, "--method", "draft,hybrid", "--k", "2", "--ngram-draft", "0,8,2")
     assert [(c["name"], c["lookup_k"]) for c in r["configs"]] == \
         [("baseline", None), ("draft k=2", None), ("hybrid k=2", None), ("hybrid k=2 lookup=8", 8)]
     assert all(r["overall"][c["name"]]["greedy_mismatches"] == 0 for c in r["configs"])
     assert r["meta"]["lookup_k"] == [None, 2, 8]
     for args in (["--method", "draft", "--ngram-draft", "8"], ["--ngram-draft", "17"]):
-        p = run_cli("bench", "-m", tiny_models["llama"], "-md", tiny_draft, "--dataset", spec_bench_file, *args)
-        assert p.returncode == 2 and "--ngram-draft" in p.stderr and "Traceback" not in p.stderr
+        assert "--ngram-draft" in _bench_error(models, *args)
 
 
 def test_bench_draft_p_min_list(tiny_models, tiny_draft, spec_bench_file, tmp_path):
     """--draft-p-min P,P: one draft config per value, each run with its own threshold (a high one stops the
     random tiny draft early, so it drafts fewer tokens per step), greedy output still exact."""
-    out = tmp_path / "bench.json"
-    p = run_cli("bench", "-m", tiny_models["llama"], "-md", tiny_draft, "--dataset", spec_bench_file,
-                "--num-prompts", 1, "--max-tokens", 16, "--ignore-eos", "--method", "draft", "--k", "4",
-                "--draft-p-min", "0,0.9", "--output-json", out, "-t", 1, "--no-progress")
-    assert p.returncode == 0, p.stderr
-    r = json.loads(out.read_text())
+    r = _bench_list((tiny_models["llama"], tiny_draft, spec_bench_file), tmp_path,
+                    "--method", "draft", "--k", "4", "--draft-p-min", "0,0.9")
     assert [(c["name"], c["draft_p_min"]) for c in r["configs"]] == \
         [("baseline", 0.0), ("draft k=4", 0.0), ("draft k=4 p=0.9", 0.9)]
     full, early = r["overall"]["draft k=4"], r["overall"]["draft k=4 p=0.9"]
