@@ -612,7 +612,8 @@ def cmd_bench(args) -> int:
         ignore_eos=args.ignore_eos, chat_template=args.chat_template, ngram_min=args.ngram_min,
         ngram_max=args.ngram_max, dtype=args.dtype, quantization=args.quantization, num_threads=args.threads,
         max_model_len=args.max_model_len, warmup=not args.no_warmup, progress=not args.no_progress,
-        lookup_ks=args.ngram_draft, adaptive=args.adaptive, draft_p_mins=args.draft_p_min, draft_vocab_sizes=args.draft_vocab_size,
+        lookup_ks=args.ngram_draft, adaptive=args.adaptive, draft_p_mins=args.draft_p_min,
+        draft_vocab_sizes=args.draft_vocab_size,
         token_map=_user_file(args.token_map, "--token-map") if args.token_map else None,
         draft_quantization=args.quantization_draft, compile=args.compile)
     from specdecode.sampling_params import SamplingParams

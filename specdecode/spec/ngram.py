@@ -16,13 +16,11 @@ def ngram_lookup(tokens: list[int] | np.ndarray, k: int, n_min: int, n_max: int)
         windows = np.lib.stride_tricks.sliding_window_view(toks[:total - 1], n)
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if hits.size:
-            # The copy starts `back` tokens before the end. The latest match is often close to the end
-            # (text that repeats a short cycle), so the copy runs on into its own output, as an LZ77 copy
-            # does: token j repeats the one `back` places earlier, which keeps the cycle going for all k.
+            # The latest match is often close to the end (text that repeats a short cycle), leaving fewer
+            # than k tokens after it. The copy then runs on into its own output, as an LZ77 copy does
+            # (np.resize repeats what is there cyclically), which keeps the cycle going for all k.
             start = int(hits[-1]) + n
-            back = total - start
-            reps = -(-k // back)
-            return np.tile(toks[start:], reps)[:k].tolist()
+            return np.resize(toks[start:start + k], k).tolist()
     return []
 
 
