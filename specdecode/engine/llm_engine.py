@@ -194,12 +194,13 @@ class LLMEngine:
         """This step's drafts, which requests' drafts were looked up in their context, and (ngram_first)
         every lookup that matched, used or not."""
         spec = self.config.speculative
+        nothing = Proposal([[] for _ in reqs]), [False] * len(reqs), [[] for _ in reqs]
         if spec is None:
-            return Proposal([[] for _ in reqs]), [False] * len(reqs), [[] for _ in reqs]
+            return nothing
         caps = [self._spec_budget(r, n_running, spec.num_speculative_tokens) for r in reqs]
         lookup_caps = [self._spec_budget(r, n_running, spec.lookup_k) for r in reqs] if spec.ngram_first else caps
         if not any(caps) and not any(lookup_caps):
-            return Proposal([[] for _ in reqs]), [False] * len(reqs), [[] for _ in reqs]
+            return nothing
         if spec.method == "ngram":
             ks = [self._choose_k(r, cap, lookup=True) for r, cap in zip(reqs, caps)]
             return self.proposer.propose(reqs, ks), [True] * len(reqs), [[] for _ in reqs]

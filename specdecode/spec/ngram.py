@@ -7,7 +7,8 @@ from specdecode.spec.proposer import Proposal
 
 
 def ngram_lookup(tokens: list[int] | np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier match of the longest suffix (n_max down to n_min)."""
+    """k tokens copied from after the latest earlier match of the longest suffix (n_max down to n_min), or
+    none if nothing matches."""
     toks = np.asarray(tokens, dtype=np.int64)
     total = len(toks)
     for n in range(min(n_max, total - 1), n_min - 1, -1):
