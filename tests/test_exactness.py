@@ -232,6 +232,69 @@ def test_draft_p_min_stops_drafting_early_and_stays_exact(plain, llm_cache, tiny
     assert drafted[0.99] < drafted[0.0]
 
 
+def test_draft_confidence_stops_drafting_early_and_stays_exact(plain, llm_cache, tiny_models, noisy_drafts):
+    """speculative_draft_confidence: the draft stops once the product of its top probabilities falls below
+    the threshold (k = 8 is then only the cap). Same ids; a high threshold drafts fewer tokens."""
+    batched, _ = plain("llama")
+    drafted, per_step = {}, {}
+    for conf in (0.0, 0.5):
+        llm = llm_cache.get(tiny_models["llama"], speculative_model=noisy_drafts["llama"],
+                            num_speculative_tokens=8, speculative_draft_confidence=conf)
+        assert llm.engine.proposer.confidence == conf
+        outs = _generate(llm, PROMPTS, max_tokens=MAX_TOKENS, **GREEDY)
+        assert [list(o.outputs[0].token_ids) for o in outs] == batched
+        stats = [o.metrics.spec_decode for o in outs]
+        drafted[conf] = sum(s.num_draft_tokens for s in stats)
+        per_step[conf] = drafted[conf] / sum(s.num_drafts for s in stats)
+    assert drafted[0.5] < drafted[0.0]
+    assert 1.0 <= per_step[0.5] < per_step[0.0]  # every step still drafts its first token
+
+
+def test_a_copy_opened_by_the_draft_model_stays_exact(plain, llm_cache, tiny_models, noisy_drafts, monkeypatch):
+    """ngram_first: when the draft model's latest token completes an n-gram seen before, the engine appends
+    what followed it and the draft model stops. A lookup that knows plain greedy's continuation (corrupted
+    at every third call, so copies are also rejected part way) and finds nothing on the contexts the steps
+    start from, so every copy is one that draft-model tokens opened."""
+    import specdecode.engine.llm_engine as le
+
+    fam = "llama"
+    want = plain(fam)[0]
+    llm = llm_cache.get(tiny_models[fam], speculative_model=noisy_drafts[fam], num_speculative_tokens=3,
+                        speculative_ngram_first=True, prompt_lookup_num_tokens=6)
+    eng = llm.engine
+    starts = set()  # (request slot, context length) of every step's own lookup
+    calls = [0]
+
+    def lookup(tokens, k, lo, hi):
+        calls[0] += 1
+        for p, out in zip(PROMPTS, want):
+            ids = eng.encode_prompt(p)
+            n = len(tokens) - len(ids)
+            if n >= 0 and tokens[:len(ids)] == ids and tokens[len(ids):] == out[:n]:
+                if any(r.all_token_ids == tokens for r in eng.scheduler.running):
+                    return []  # a step's own lookup: leave it to the draft model
+                found = out[n:n + k]
+                if calls[0] % 3 == 0 and len(found) > 1:
+                    found = found[:1] + [(found[1] + 1) % 50] + found[2:]
+                return found
+        return []
+    copies = []
+    real_observe = eng._observe
+
+    def observe(r, drafted, accepted, looked_up, found, emitted, copied_from):
+        copies.append((copied_from, len(drafted), accepted))
+        return real_observe(r, drafted, accepted, looked_up, found, emitted, copied_from)
+    monkeypatch.setattr(le, "ngram_lookup", lookup)
+    monkeypatch.setattr(eng, "_observe", observe)
+    outs = _generate(llm, PROMPTS, max_tokens=MAX_TOKENS, **GREEDY)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    opened = [c for c in copies if c[0] is not None]
+    assert opened and all(1 <= start < n for start, n, _ in opened)
+    assert any(a > start for start, _, a in opened)  # copied tokens were accepted
+    assert any(a < n for _, n, a in opened)          # and some copies were cut short
+    assert max(n for _, n, _ in opened) > 3          # a copy runs past the draft model's k
+
+
 def test_truncated_draft_vocab_keeps_greedy_exact(plain, llm_cache, tiny_models, noisy_drafts):
     """speculative_draft_vocab_size: the draft scores only low ids (+ specials); ids it cannot propose still
     come out of the target, so greedy output is unchanged."""

@@ -211,15 +211,14 @@ def _target_marginals(model_dir, params: SamplingParams, prompt: list[int] = PRO
     return p1.numpy(), marg.numpy()
 
 
-def _sample(llm, params: SamplingParams, n: int, seed0: int,
-            prompt: list[int] = PROMPT) -> tuple[np.ndarray, np.ndarray]:
-    """Counts of the 1st and the 2nd generated token over n independent requests (one seed each)."""
-    sps = [params.clone(seed=seed0 + i, max_tokens=K_E2E + 2, ignore_eos=True) for i in range(n)]
+def _sample(llm, params: SamplingParams, n: int, seed0: int, prompt: list[int] = PROMPT,
+            max_tokens: int = K_E2E + 2, positions: tuple[int, ...] = (0, 1)) -> tuple[np.ndarray, ...]:
+    """Counts of the generated tokens at ``positions`` (default: the 1st and the 2nd) over n independent
+    requests (one seed each)."""
+    sps = [params.clone(seed=seed0 + i, max_tokens=max_tokens, ignore_eos=True) for i in range(n)]
     outs = llm.generate(prompt_token_ids=[prompt] * n, sampling_params=sps, use_tqdm=False)
     V_ = llm.engine.target.vocab_size
-    first = np.bincount([o.outputs[0].token_ids[0] for o in outs], minlength=V_)
-    second = np.bincount([o.outputs[0].token_ids[1] for o in outs], minlength=V_)
-    return first, second
+    return tuple(np.bincount([o.outputs[0].token_ids[i] for o in outs], minlength=V_) for i in positions)
 
 
 @pytest.fixture(scope="module")
@@ -333,3 +332,59 @@ def test_end_to_end_with_ngram_first(adaptive, request, sharp_target, monkeypatc
         assert llm.engine.costs.lookup_prior.first_n != lookups0  # lookups were scored
     pval = chi2_pvalue(second, marg)
     assert pval > ALPHA, f"2nd token with n-gram-first drafts does not follow the target (p={pval:.2e})"
+
+
+def _third_token_marginal(model_dir, params: SamplingParams, prompt: list[int]) -> np.ndarray:
+    """sum_{x1, x2} p(x1) p(x2 | x1) p(x3 | x1, x2) from our own target, pairs below 1e-9 left out."""
+    from specdecode.engine.model_runner import ModelRunner
+    from specdecode.models.loader import load_model
+
+    runner = ModelRunner(load_model(model_dir, "float32", "cpu", 64, None), 1, 64, "cpu")
+    probs = lambda logits: logits_to_probs(logits, [params])[0].double()  # noqa: E731
+    L = len(prompt)
+    p1 = probs(runner.prefill(0, prompt)[None])
+    marg = torch.zeros_like(p1)
+    for x1 in torch.nonzero(p1 > 1e-9).flatten().tolist():
+        p2 = probs(runner.forward_rows([(0, L, [x1])], all_logits=True)[0])
+        for x2 in torch.nonzero(p1[x1] * p2 > 1e-9).flatten().tolist():
+            marg += p1[x1] * p2[x2] * probs(runner.forward_rows([(0, L + 1, [x2])], all_logits=True)[0])
+    return marg.numpy()
+
+
+@pytest.fixture(scope="module")
+def e2e_llm_copy(one_thread, llm_cache, sharp_target, sharp_draft):
+    return llm_cache.get(sharp_target, speculative_model=sharp_draft, num_speculative_tokens=2,
+                         max_model_len=64, max_num_seqs=16, speculative_ngram_first=True,
+                         ngram_prompt_lookup_min=1, speculative_draft_confidence=0.02)
+
+
+def test_end_to_end_third_token_with_confidence_stops_and_opened_copies(e2e_llm_copy, sharp_target, monkeypatch):
+    """The 2nd draft position (the 3rd generated token) is where the draft's stopping rule and the copies its
+    tokens open act. The draft stops before its 2nd token when the product of its two top probabilities
+    falls below 0.02 (this spread-out draft's top probabilities are mostly 0.1-0.2; the rule is decided
+    before that token is drawn), and when its 1st token occurs earlier in the context, the token that
+    followed it is appended as a one-hot draft. Steps mix all of these with plain lookups; the 3rd token
+    must still follow the target's marginal, and the same check catches a sampler that accepts every draft."""
+    params = SamplingParams(**SETTINGS["t1.0-top_p0.9"])
+    prompt = PROMPT + [322, 184, 340, 353, 188, 197, 243, 188, 219]
+    marg = _third_token_marginal(sharp_target, params, prompt)
+    eng = e2e_llm_copy.engine
+    kinds = []
+    real_observe = eng._observe
+
+    def observe(r, drafted, accepted, looked_up, found, emitted, copied_from):
+        if r.num_output_tokens == 1:  # the step that drafts the 2nd and 3rd tokens
+            kinds.append("lookup" if looked_up else "copy" if copied_from is not None else len(drafted))
+        return real_observe(r, drafted, accepted, looked_up, found, emitted, copied_from)
+    monkeypatch.setattr(eng, "_observe", observe)
+    (third,) = _sample(e2e_llm_copy, params, N_E2E, seed0=9 * 10**5, prompt=prompt, max_tokens=4, positions=(2,))
+    share = {k: kinds.count(k) / len(kinds) for k in ("lookup", "copy", 1, 2)}
+    assert len(kinds) == N_E2E
+    assert share["copy"] > 0.05 and share[1] > 0.05 and share[2] > 0.05 and share["lookup"] > 0.05, share
+    pval = chi2_pvalue(third, marg)
+    assert pval > ALPHA, f"3rd token with confidence stops and opened copies does not follow the target (p={pval:.2e})"
+
+    monkeypatch.setattr(rs, "accept_mask", accept_everything)
+    (broken,) = _sample(e2e_llm_copy, params, N_BROKEN, seed0=10**7, prompt=prompt, max_tokens=4, positions=(2,))
+    pval = chi2_pvalue(broken, marg)
+    assert pval < ALPHA, f"the broken sampler went unnoticed (p={pval:.2e})"

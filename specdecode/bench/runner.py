@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import logging
 import platform
 import statistics
@@ -51,25 +52,27 @@ class BenchConfig:
     method: str | None  # None (baseline), "ngram", "draft" or "hybrid"
     k: int = 0
     p_min: float = 0.0  # draft / hybrid: SpeculativeConfig.draft_p_min
+    confidence: float | None = None  # draft / hybrid: SpeculativeConfig.draft_confidence (None: its default)
     vocab: int | None = None  # draft / hybrid: SpeculativeConfig.draft_vocab_size (None: the full LM head)
     lookup_k: int | None = None  # hybrid: SpeculativeConfig.prompt_lookup_num_tokens (None: k)
 
 
 def make_configs(methods: list[str], ks: list[int], p_mins: list[float] = (0.0,),
-                 vocab_sizes: list[int | None] = (None,), lookup_ks: list[int | None] = (None,)) -> list[BenchConfig]:
-    """Baseline first, then each method x k (x draft_p_min x draft_vocab_size for the methods that run the
-    draft model, x lookup k for hybrid)."""
+                 vocab_sizes: list[int | None] = (None,), lookup_ks: list[int | None] = (None,),
+                 confidences: list[float | None] = (None,)) -> list[BenchConfig]:
+    """Baseline first, then each method x k (x draft_p_min x draft_confidence x draft_vocab_size for the
+    methods that run the draft model, x lookup k for hybrid)."""
     configs = [BenchConfig("baseline", None, 0)]
     for m in methods:
         for k in ks:
             draft = m in ("draft", "hybrid")
-            for p in (p_mins if draft else (0.0,)):
-                for v in (vocab_sizes if draft else (None,)):
-                    for lk in (lookup_ks if m == "hybrid" else (None,)):
-                        lk = None if lk == k else lk
-                        name = (f"{m} k={k}" + (f" p={p:g}" if p else "") + (f" v={v}" if v else "")
-                                + (f" lookup={lk}" if lk else ""))
-                        configs.append(BenchConfig(name, m, k, p, v, lk))
+            for p, c, v in itertools.product(*((p_mins, confidences, vocab_sizes) if draft else
+                                               ((0.0,), (None,), (None,)))):
+                for lk in (lookup_ks if m == "hybrid" else (None,)):
+                    lk = None if lk == k else lk
+                    name = (f"{m} k={k}" + (f" p={p:g}" if p else "") + (f" c={c:g}" if c is not None else "")
+                            + (f" v={v}" if v else "") + (f" lookup={lk}" if lk else ""))
+                    configs.append(BenchConfig(name, m, k, p, c, v, lk))
     return list(dict.fromkeys(configs))
 
 
@@ -98,6 +101,7 @@ class BenchSettings:
     progress: bool = True
     adaptive: bool = False            # engine-chosen k per step, up to each config's k
     draft_p_mins: list[float] = field(default_factory=lambda: [0.0])  # draft / hybrid: one config per value
+    draft_confidences: list[float | None] = field(default_factory=lambda: [None])  # the same (None: default)
     draft_vocab_sizes: list[int | None] = field(default_factory=lambda: [None])  # draft / hybrid: one config
     token_map: str | None = None  # per value; None: the full LM head. token_map: the ranking sizes cut from
     draft_quantization: str | None = None  # draft configs: the draft's weight format (None: the target's)
@@ -247,14 +251,14 @@ class DraftPrefillTimer:
         self.inner = inner
         self.elapsed = 0.0
 
-    def propose(self, requests: list, ks: list[int], lookups: list[list[int]] | None = None):
+    def propose(self, requests: list, ks: list[int], **kw):
         runner = getattr(self.inner, "runner", None)
         for r, k in zip(requests, ks):
             if k > 0 and runner is not None and getattr(r, "draft_computed", None) == 0 and len(r.all_token_ids) > 1:
                 t0 = time.perf_counter()
                 self.inner.prefill(r, len(r.all_token_ids) - 1)
                 self.elapsed += time.perf_counter() - t0
-        return self.inner.propose(requests, ks, lookups)
+        return self.inner.propose(requests, ks, **kw)
 
     def rollback(self, request, valid_len: int) -> None:
         self.inner.rollback(request, valid_len)
@@ -300,7 +304,7 @@ class BenchRunner:
     def __init__(self, settings: BenchSettings):
         self.s = settings
         self.configs = make_configs(settings.methods, settings.ks, settings.draft_p_mins, settings.draft_vocab_sizes,
-                                    settings.lookup_ks)
+                                    settings.lookup_ks, settings.draft_confidences)
         self.engine = None
         self.use_chat = False
         self._counter = 0
@@ -360,7 +364,8 @@ class BenchRunner:
             elif c.method in ("draft", "hybrid"):
                 hybrid = c.method == "hybrid"
                 self._spec[c.name] = dataclasses.replace(
-                    base, num_speculative_tokens=c.k, adaptive=s.adaptive, draft_p_min=c.p_min, ngram_first=hybrid,
+                    base, num_speculative_tokens=c.k, adaptive=s.adaptive, draft_p_min=c.p_min,
+                    draft_confidence=c.confidence, ngram_first=hybrid,
                     draft_vocab_size=c.vocab, token_map=base.token_map if c.vocab else None,
                     prompt_lookup_min=hybrid_min if hybrid else base.prompt_lookup_min,
                     prompt_lookup_max=s.ngram_max if hybrid else base.prompt_lookup_max,
@@ -378,11 +383,13 @@ class BenchRunner:
         self.use_chat = has_template if s.chat_template == "auto" else s.chat_template == "on"
 
     def _set_draft_head(self, cfg: BenchConfig) -> None:
-        """The configs share one draft proposer; its p_min and LM head are the parts of a config it holds."""
+        """The configs share one draft proposer; its stopping rules and LM head are the parts of a config it
+        holds."""
         from specdecode.spec.draft_vocab import draft_head_ids
 
         draft = self._proposers[cfg.method].inner
         draft.p_min = cfg.p_min
+        draft.confidence = self._spec[cfg.name].confidence
         draft.set_vocab(self._draft_heads.setdefault(cfg.vocab, draft_head_ids(
             self._spec[cfg.name], self.engine.tokenizer, self.engine.eos_token_ids,
             draft.runner.model.args.vocab_size)))
@@ -491,7 +498,8 @@ class BenchRunner:
             "num_prompts_used": used, "skipped_prompts": skipped,
             "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
             "greedy": s.temperature == 0, "seed": s.seed, "ignore_eos": s.ignore_eos, "adaptive_k": s.adaptive,
-            "draft_p_min": s.draft_p_mins, "draft_vocab_size": s.draft_vocab_sizes,
+            "draft_p_min": s.draft_p_mins, "draft_confidence": s.draft_confidences,
+            "draft_vocab_size": s.draft_vocab_sizes,
             "token_map": s.token_map,
             "draft_quantization": s.draft_quantization,
             "chat_template": self.use_chat, "ngram_min": self._ngram_mins, "ngram_max": s.ngram_max,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -14,7 +15,7 @@ from specdecode.layers.sampler import apply_penalties, logits_to_probs, logprobs
 from specdecode.models.loader import load_model
 from specdecode.outputs import RequestOutput
 from specdecode.sampling_params import SamplingParams
-from specdecode.spec.adaptive import CostModel, calibrate, next_k
+from specdecode.spec.adaptive import CostModel, calibrate, choose_k, next_k
 from specdecode.spec.metrics import SpecDecodeStats
 from specdecode.spec.ngram import ngram_lookup
 from specdecode.spec.proposer import Proposal
@@ -24,6 +25,15 @@ from specdecode.tokenizer import eos_ids, load_tokenizer
 logger = logging.getLogger("specdecode")
 
 __all__ = ["LLMEngine", "QueueFullError"]
+
+
+@dataclass
+class StepDrafts:
+    """One step's drafts and where they came from, so that adaptive k learns each kind's acceptance."""
+    proposal: Proposal
+    looked_up: list[bool]            # request i's drafts were looked up in its context
+    found: list[list[int]]           # ngram_first: the lookup that matched at the step's start, used or not
+    copied_from: list[int | None]    # ngram_first: where a copy opened by the draft model's tokens begins
 
 
 class LLMEngine:
@@ -58,7 +68,8 @@ class LLMEngine:
             self.draft_path = draft_path
             keep = draft_head_ids(spec, self.tokenizer, self.eos_token_ids, draft.model.args.vocab_size)
             self.proposer = DraftModelProposer(ModelRunner(draft, c.max_num_seqs, self.max_model_len, c.device),
-                                               target.model.args.vocab_size, spec.draft_p_min, keep)
+                                               target.model.args.vocab_size, spec.draft_p_min, keep,
+                                               spec.confidence)
         if c.compile:
             for runner in (self.target, getattr(self.proposer, "runner", None)):
                 if runner is not None:
@@ -190,11 +201,11 @@ class LLMEngine:
         return next_k(cap, r.lookup_acceptance if lookup else r.acceptance, self.costs, lookup,
                       len(r.all_token_ids))
 
-    def _propose(self, reqs: list[Request], n_running: int) -> tuple[Proposal, list[bool], list[list[int]]]:
-        """This step's drafts, which requests' drafts were looked up in their context, and (ngram_first)
-        every lookup that matched, used or not."""
+    def _propose(self, reqs: list[Request], n_running: int) -> StepDrafts:
+        """This step's drafts, and where each one came from (see StepDrafts)."""
         spec = self.config.speculative
-        nothing = Proposal([[] for _ in reqs]), [False] * len(reqs), [[] for _ in reqs]
+        none = [None] * len(reqs)
+        nothing = StepDrafts(Proposal([[] for _ in reqs]), [False] * len(reqs), [[] for _ in reqs], none)
         if spec is None:
             return nothing
         caps = [self._spec_budget(r, n_running, spec.num_speculative_tokens) for r in reqs]
@@ -203,10 +214,13 @@ class LLMEngine:
             return nothing
         if spec.method == "ngram":
             ks = [self._choose_k(r, cap, lookup=True) for r, cap in zip(reqs, caps)]
-            return self.proposer.propose(reqs, ks), [True] * len(reqs), [[] for _ in reqs]
+            return StepDrafts(self.proposer.propose(reqs, ks), [True] * len(reqs), [[] for _ in reqs], none)
         ks = [self._choose_k(r, cap, lookup=False) for r, cap in zip(reqs, caps)]
+        # With a confidence threshold the draft's own probabilities decide how deep it goes: adaptive k only
+        # decides whether the draft model runs at all (and is what a lookup is compared with below).
+        depths = [cap if k else 0 for k, cap in zip(ks, caps)] if spec.confidence else ks
         if not spec.ngram_first:
-            return self.proposer.propose(reqs, ks), [False] * len(reqs), [[] for _ in reqs]
+            return StepDrafts(self.proposer.propose(reqs, depths), [False] * len(reqs), [[] for _ in reqs], none)
         found = [ngram_lookup(r.all_token_ids, cap, spec.prompt_lookup_min, spec.prompt_lookup_max) if cap else []
                  for r, cap in zip(reqs, lookup_caps)]
         use = []
@@ -217,12 +231,44 @@ class LLMEngine:
                     < self.costs.expected_rate(r.acceptance, k, False, len(r.all_token_ids))):
                 kl = 0  # the draft model is expected to do better here than a copy from the context
             use.append(f[:kl])
-        prop = self.proposer.propose(reqs, [0 if u else k for u, k in zip(use, ks)], lookups=use)
-        return prop, [bool(u) for u in use], found
+        copied_from: list[int | None] = list(none)
+
+        def extend(i: int, drafted: list[int]) -> list[int]:
+            # The draft model's latest token may complete an n-gram seen earlier in the context: the model is
+            # starting to copy, and the rest of the span costs no draft passes (one-hot drafts, like a lookup).
+            r = reqs[i]
+            room = min(lookup_caps[i] - len(drafted), self._lookup_depth(r, lookup_caps[i]))
+            if room <= 0:
+                return []
+            copied = ngram_lookup(r.all_token_ids + drafted, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            if copied:
+                copied_from[i] = len(drafted)
+            return copied
+
+        prop = self.proposer.propose(reqs, [0 if u else d for u, d in zip(use, depths)], lookups=use, extend=extend)
+        return StepDrafts(prop, [bool(u) for u in use], found, copied_from)
+
+    def _lookup_depth(self, r: Request, cap: int) -> int:
+        """How deep a lookup may draft for r without touching its probing state: the cap, or with adaptive
+        speculation the best k for the lookups' own acceptance (0 while they do not pay)."""
+        if not self.config.speculative.adaptive:
+            return cap
+        return choose_k(*r.lookup_acceptance.rates(self.costs.lookup_prior), cap, self.costs, True,
+                        len(r.all_token_ids))
 
     def _observe(self, r: Request, drafted: list[int], accepted: int, looked_up: bool, found: list[int],
-                 emitted: list[int]) -> None:
+                 emitted: list[int], copied_from: int | None) -> None:
         """Teach adaptive k what this step showed about each draft kind of r."""
+        if copied_from is not None:
+            # The draft model's tokens, then a copy they opened: each part counts for its own kind; the copy
+            # was only tried if every draft-model token before it was accepted.
+            self.costs.observe_acceptance(r.acceptance, copied_from, min(accepted, copied_from))
+            if accepted >= copied_from:
+                self.costs.observe_acceptance(r.lookup_acceptance, len(drafted) - copied_from,
+                                              accepted - copied_from, lookup=True)
+            else:
+                r.lookup_acceptance.observe(0, 0)
+            return
         used, other = (r.lookup_acceptance, r.acceptance) if looked_up else (r.acceptance, r.lookup_acceptance)
         self.costs.observe_acceptance(used, len(drafted), accepted, lookup=looked_up)
         if found and not looked_up:
@@ -236,8 +282,8 @@ class LLMEngine:
             other.observe(0, 0)  # this kind did not draft: a step without drafts ends its run
 
     def _decode(self, reqs: list[Request]) -> None:
-        prop, looked_up, found = self._propose(reqs, len(reqs))
-        drafts, draft_probs = prop.tokens, prop.probs
+        step = self._propose(reqs, len(reqs))
+        drafts, draft_probs = step.proposal.tokens, step.proposal.probs
         seqs = [(r.slot, r.num_computed, [r.all_token_ids[-1]] + d) for r, d in zip(reqs, drafts)]
         logits = self.target.forward_rows(seqs, all_logits=True)
         kmax = max(len(d) for d in drafts)
@@ -254,7 +300,7 @@ class LLMEngine:
             r.num_computed = len(r.all_token_ids) + a  # rejected drafts' KV stays in place, just past the length
             if self.proposer is not None:
                 self.proposer.rollback(r, len(r.all_token_ids) + a)
-            self._observe(r, drafts[i], a, looked_up[i], found[i], result.tokens[i])
+            self._observe(r, drafts[i], a, step.looked_up[i], step.found[i], result.tokens[i], step.copied_from[i])
             if drafts[i]:
                 r.metrics.spec_decode.record(len(drafts[i]), a)
                 self.spec_stats.record(len(drafts[i]), a)

@@ -1,6 +1,8 @@
 """A small draft model proposes k tokens autoregressively on its own KV cache, batched over requests."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from specdecode.engine.model_runner import ModelRunner
@@ -18,10 +20,11 @@ class DraftModelProposer:
     step."""
 
     def __init__(self, runner: ModelRunner, target_vocab: int, p_min: float = 0.0,
-                 vocab_ids: torch.Tensor | None = None):
+                 vocab_ids: torch.Tensor | None = None, confidence: float = 0.0):
         self.runner = runner
         self.vocab = target_vocab
         self.p_min = p_min
+        self.confidence = confidence
         self.full_head = runner.model.lm_head
         self._heads: dict[bytes, TruncatedHead] = {}
         self.set_vocab(vocab_ids)
@@ -79,12 +82,16 @@ class DraftModelProposer:
         pad = logits.new_full((*logits.shape[:-1], self.vocab - v), float("-inf"))
         return torch.cat([logits, pad], dim=-1)
 
-    def propose(self, requests: list, ks: list[int], lookups: list[list[int]] | None = None) -> Proposal:
+    def propose(self, requests: list, ks: list[int], lookups: list[list[int]] | None = None,
+                extend: Callable[[int, list[int]], list[int]] | None = None) -> Proposal:
         """Up to ks[i] draft-model tokens per request; ``lookups[i]``, where not empty, are drafts the engine
-        already copied from request i's context (ngram_first), passed through with one-hot probabilities."""
-        if not lookups or not any(lookups):
-            return self._draft(requests, ks)
-        prop = self._draft(requests, [0 if found else k for found, k in zip(lookups, ks)])
+        already copied from request i's context (ngram_first), passed through with one-hot probabilities.
+        ``extend(i, drafted)``, called after each draft-model token, may return tokens copied from the context
+        after ``drafted`` (the draft has just opened a span seen before); they end request i's draft."""
+        lookups = lookups or [[] for _ in requests]
+        prop = self._draft(requests, [0 if found else k for found, k in zip(lookups, ks)], extend)
+        if not any(lookups):
+            return prop
         probs = prop.probs
         width = max(len(t) for t in lookups + prop.tokens)
         if probs is not None:  # some sampled request used the draft model: give looked-up drafts one-hot rows
@@ -95,16 +102,30 @@ class DraftModelProposer:
                     probs[i, torch.arange(len(found)), torch.tensor(found)] = 1.0
         return Proposal([found or drafted for found, drafted in zip(lookups, prop.tokens)], probs)
 
-    def _draft(self, requests: list, ks: list[int]) -> Proposal:
+    def _stop_before(self, i: int, step: int, top_p: float, cum: list[float]) -> bool:
+        """Whether request i stops before drafting token ``step``, whose most likely candidate has
+        probability top_p. Decided before that token is drawn, so for sampled requests the verifier still sees
+        an unbiased draft at every position it gets (any stopping rule that does not look at the token being
+        proposed keeps rejection sampling exact)."""
+        cum[i] *= top_p
+        if step == 0:
+            return False  # the first token is nearly free to verify (a second row costs ~5% of a pass)
+        # p_min: this token alone is unlikely (llama.cpp); confidence: the draft's own estimate that all
+        # its tokens so far are accepted has fallen too low for another one to pay.
+        return top_p < self.p_min or cum[i] < self.confidence
+
+    def _draft(self, requests: list, ks: list[int],
+               extend: Callable[[int, list[int]], list[int]] | None = None) -> Proposal:
         active = [i for i, k in enumerate(ks) if k > 0]
         tokens: list[list[int]] = [[] for _ in requests]
-        kmax = max(ks, default=0)
         need_probs = any(not requests[i].params.greedy for i in active)
-        probs = (torch.zeros(len(requests), kmax, self.vocab, device=self.runner.device)
-                 if need_probs and kmax else None)
         if not active:
-            return Proposal(tokens, probs)
+            return Proposal(tokens, None)
+        kmax = max(ks)
+        probs = torch.zeros(len(requests), kmax, self.vocab, device=self.runner.device) if need_probs else None
         logits = dict(zip(active, self._catch_up([requests[i] for i in active])))
+        cum = [1.0] * len(requests)
+        stopping = self.p_min > 0 or self.confidence > 0
         for step in range(kmax):
             feed = []
             for i in list(active):
@@ -112,15 +133,23 @@ class DraftModelProposer:
                 lg = self._fit_vocab(logits[i].float())
                 if r.params.greedy:
                     tok = int(argmax(lg))
-                    if self.p_min > 0 and float(torch.softmax(lg, -1)[tok]) < self.p_min and step > 0:
-                        active.remove(i)  # the draft is unsure: verifying more would likely be wasted
+                    if stopping and self._stop_before(i, step, float(torch.softmax(lg, -1)[tok]), cum):
+                        active.remove(i)
                         continue
                 else:
                     p = logits_to_probs(lg[None], [r.params])[0]
+                    if stopping and self._stop_before(i, step, float(p.max()), cum):
+                        active.remove(i)
+                        continue
                     tok = sample(p, r.generator)
                     probs[i, step] = p
                 tokens[i].append(tok)
-                if len(tokens[i]) >= ks[i]:
+                copied = extend(i, tokens[i]) if extend is not None else []
+                if copied:
+                    tokens[i] += copied
+                    if probs is not None and not r.params.greedy:
+                        probs = self._one_hot_rows(probs, i, len(tokens[i]) - len(copied), copied)
+                if copied or len(tokens[i]) >= ks[i]:
                     active.remove(i)
                 else:
                     feed.append(i)
@@ -132,6 +161,14 @@ class DraftModelProposer:
                 requests[i].draft_computed += 1
                 logits[i] = lg[0]
         return Proposal(tokens, probs)
+
+    def _one_hot_rows(self, probs: torch.Tensor, i: int, start: int, toks: list[int]) -> torch.Tensor:
+        """probs with rows start.. of request i set to one-hot rows for toks (widened if needed)."""
+        need = start + len(toks) - probs.shape[1]
+        if need > 0:
+            probs = torch.cat([probs, probs.new_zeros(probs.shape[0], need, probs.shape[2])], 1)
+        probs[i, torch.arange(start, start + len(toks)), torch.tensor(toks)] = 1.0
+        return probs
 
     def rollback(self, request, valid_len: int) -> None:
         request.draft_computed = min(request.draft_computed, valid_len)
