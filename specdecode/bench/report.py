@@ -88,7 +88,8 @@ def summarize(runs: list["PromptRun"], configs: list["BenchConfig"], categories:
     return {
         "meta": meta,
         "configs": [{"name": c.name, "method": c.method or "none", "k": c.k, "draft_p_min": c.p_min,
-                     "draft_confidence": c.confidence, "draft_vocab_size": c.vocab, "lookup_k": c.lookup_k} for c in configs],
+                     "draft_confidence": c.confidence, "draft_vocab_size": c.vocab, "lookup_k": c.lookup_k}
+                    for c in configs],
         "categories": used_cats,
         "overall": group(runs),
         "per_category": {cat: group([r for r in runs if r.category == cat]) for cat in used_cats},
