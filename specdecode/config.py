@@ -20,10 +20,6 @@ SPEC_METHODS = ("draft_model", "ngram")
 # the default draft does (about 70%), 3- and 4-token matches about as often or more.
 NGRAM_MIN_DEFAULT = {"ngram": 1, "ngram_first": 3}
 MAX_SPEC_TOKENS = 16
-# draft_confidence under adaptive speculation. In an offline replay of the default pair's greedy outputs on
-# 39 Spec-Bench prompts (3 per category) with its measured pass costs, 0.3 came out best of 0.2-0.5, if only
-# by 1-2%; 0.2 drafts too deep, 0.5 stops too early.
-DEFAULT_ADAPTIVE_CONFIDENCE = 0.3
 
 
 def default_lookup_min(ngram_first: bool, lookup_max: Any) -> int:
@@ -51,9 +47,9 @@ class SpeculativeConfig:
     # Stop drafting once the draft's top probability drops below this (llama.cpp's --draft-p-min).
     draft_p_min: float = 0.0
     # Stop drafting once the product of the draft's top probabilities, its own estimate that every token it
-    # drafted is accepted, drops below this; num_speculative_tokens is then only the cap. None: 0.3 with
-    # adaptive (which then only decides whether the draft model runs at all), else 0 (off: k every step).
-    draft_confidence: float | None = None
+    # drafted is accepted, drops below this; num_speculative_tokens is then only the cap (with adaptive, k
+    # only decides whether the draft model runs at all). 0: off.
+    draft_confidence: float = 0.0
     # Choose k per request (k may drop to 0) from acceptance measured online and the costs of verify passes and
     # draft steps, timed when the engine starts (spec/adaptive.py).
     adaptive: bool = False
@@ -86,13 +82,6 @@ class SpeculativeConfig:
         return self.prompt_lookup_num_tokens or self.num_speculative_tokens
 
     @property
-    def confidence(self) -> float:
-        """draft_confidence with its default resolved (0: off)."""
-        if self.draft_confidence is None:
-            return DEFAULT_ADAPTIVE_CONFIDENCE if self.adaptive and self.method == "draft_model" else 0.0
-        return self.draft_confidence
-
-    @property
     def max_k(self) -> int:
         """The most tokens any step drafts, whichever kind drafts them."""
         return max(self.num_speculative_tokens, self.lookup_k if self.ngram_first else 0)
@@ -121,11 +110,10 @@ class SpeculativeConfig:
         if not (0.0 <= self.draft_p_min < 1.0):
             raise _err(f"draft_p_min must be in [0, 1), got {self.draft_p_min!r}.")
         c = self.draft_confidence
-        if c is not None:
-            if isinstance(c, bool) or not isinstance(c, (int, float)) or not (0.0 <= c < 1.0):
-                raise _err(f"draft_confidence must be a number in [0, 1) (e.g. 0.3; 0 turns it off), got {c!r}.")
-            if c and self.method != "draft_model":
-                raise _err("draft_confidence stops a draft model by its own probabilities; n-gram drafts have none.")
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not (0.0 <= c < 1.0):
+            raise _err(f"draft_confidence must be a number in [0, 1) (e.g. 0.3; 0 turns it off), got {c!r}.")
+        if c and self.method != "draft_model":
+            raise _err("draft_confidence stops a draft model by its own probabilities; n-gram drafts have none.")
         v = self.draft_vocab_size
         if v is not None:
             if self.method != "draft_model":

@@ -236,12 +236,12 @@ def test_bench_lookup_k_list(tiny_models, tiny_draft, spec_bench_file, tmp_path)
 
 def test_bench_draft_confidence_list(tiny_models, tiny_draft, spec_bench_file, tmp_path):
     """--draft-confidence C,C: one draft config per value (0 = off); a high one stops the random tiny draft
-    after its first token, greedy output still exact; under --adaptive the default is 0.3."""
+    after its first token, greedy output still exact."""
     models = (tiny_models["llama"], tiny_draft, spec_bench_file)
     r = _bench_list(models, tmp_path, "--method", "draft", "--k", "4", "--draft-confidence", "0,0.9")
     assert [(c["name"], c["draft_confidence"]) for c in r["configs"]] == \
-        [("baseline", None), ("draft k=4 c=0", 0.0), ("draft k=4 c=0.9", 0.9)]
-    full, early = r["overall"]["draft k=4 c=0"], r["overall"]["draft k=4 c=0.9"]
+        [("baseline", 0.0), ("draft k=4", 0.0), ("draft k=4 c=0.9", 0.9)]
+    full, early = r["overall"]["draft k=4"], r["overall"]["draft k=4 c=0.9"]
     assert early["num_draft_tokens"] / early["num_drafts"] < full["num_draft_tokens"] / full["num_drafts"]
     assert full["greedy_mismatches"] == 0 and early["greedy_mismatches"] == 0
     assert r["meta"]["draft_confidence"] == [0.0, 0.9]

@@ -319,7 +319,7 @@ def test_draft_vocab_size_validation(tiny_models, tiny_draft):
                         speculative_token_map="/nonexistent/map.json"), "token_map", "existing file")
 
 
-def test_draft_confidence_validation_and_default(tiny_models, tiny_draft):
+def test_draft_confidence_validation(tiny_models, tiny_draft):
     from specdecode.config import EngineConfig
 
     model, draft = str(tiny_models["llama"]), str(tiny_draft)
@@ -329,12 +329,9 @@ def test_draft_confidence_validation_and_default(tiny_models, tiny_draft):
                                              speculative_draft_confidence=0.3), "draft_confidence", "n-gram")
     _raises(lambda: EngineConfig.from_kwargs(model=model, speculative_config={
         "model": draft, "num_speculative_tokens": 2, "draft_confidence": "high"}), "draft_confidence", "'high'")
-    # Off unless asked for, except under adaptive speculation, where the draft's confidence sets the depth.
     conf = lambda **kw: EngineConfig.from_kwargs(model=model, speculative_model=draft,  # noqa: E731
-                                                 num_speculative_tokens=2, **kw).speculative.confidence
-    assert (conf(), conf(speculative_adaptive=True)) == (0.0, 0.3)
-    assert conf(speculative_adaptive=True, speculative_draft_confidence=0.0) == 0.0
-    assert conf(speculative_draft_confidence=0.6) == 0.6
+                                                 num_speculative_tokens=2, **kw).speculative.draft_confidence
+    assert (conf(), conf(speculative_adaptive=True), conf(speculative_draft_confidence=0.6)) == (0.0, 0.0, 0.6)
 
 
 def test_ngram_first_validation_and_defaults(tiny_models, tiny_draft):

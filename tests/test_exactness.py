@@ -248,6 +248,11 @@ def test_draft_confidence_stops_drafting_early_and_stays_exact(plain, llm_cache,
         per_step[conf] = drafted[conf] / sum(s.num_drafts for s in stats)
     assert drafted[0.5] < drafted[0.0]
     assert 1.0 <= per_step[0.5] < per_step[0.0]  # every step still drafts its first token
+    # With adaptive k, k only decides whether the draft model runs; the confidence sets the depth.
+    llm = llm_cache.get(tiny_models["llama"], speculative_model=noisy_drafts["llama"], num_speculative_tokens=8,
+                        speculative_draft_confidence=0.5, speculative_adaptive=True)
+    outs = _generate(llm, PROMPTS, max_tokens=MAX_TOKENS, **GREEDY)
+    assert [list(o.outputs[0].token_ids) for o in outs] == batched
 
 
 def test_a_copy_opened_by_the_draft_model_stays_exact(plain, llm_cache, tiny_models, noisy_drafts, monkeypatch):

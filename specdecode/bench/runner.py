@@ -52,14 +52,14 @@ class BenchConfig:
     method: str | None  # None (baseline), "ngram", "draft" or "hybrid"
     k: int = 0
     p_min: float = 0.0  # draft / hybrid: SpeculativeConfig.draft_p_min
-    confidence: float | None = None  # draft / hybrid: SpeculativeConfig.draft_confidence (None: its default)
+    confidence: float = 0.0  # draft / hybrid: SpeculativeConfig.draft_confidence
     vocab: int | None = None  # draft / hybrid: SpeculativeConfig.draft_vocab_size (None: the full LM head)
     lookup_k: int | None = None  # hybrid: SpeculativeConfig.prompt_lookup_num_tokens (None: k)
 
 
 def make_configs(methods: list[str], ks: list[int], p_mins: list[float] = (0.0,),
                  vocab_sizes: list[int | None] = (None,), lookup_ks: list[int | None] = (None,),
-                 confidences: list[float | None] = (None,)) -> list[BenchConfig]:
+                 confidences: list[float] = (0.0,)) -> list[BenchConfig]:
     """Baseline first, then each method x k (x draft_p_min x draft_confidence x draft_vocab_size for the
     methods that run the draft model, x lookup k for hybrid)."""
     configs = [BenchConfig("baseline", None, 0)]
@@ -67,10 +67,10 @@ def make_configs(methods: list[str], ks: list[int], p_mins: list[float] = (0.0,)
         for k in ks:
             draft = m in ("draft", "hybrid")
             for p, c, v in itertools.product(*((p_mins, confidences, vocab_sizes) if draft else
-                                               ((0.0,), (None,), (None,)))):
+                                               ((0.0,), (0.0,), (None,)))):
                 for lk in (lookup_ks if m == "hybrid" else (None,)):
                     lk = None if lk == k else lk
-                    name = (f"{m} k={k}" + (f" p={p:g}" if p else "") + (f" c={c:g}" if c is not None else "")
+                    name = (f"{m} k={k}" + (f" p={p:g}" if p else "") + (f" c={c:g}" if c else "")
                             + (f" v={v}" if v else "") + (f" lookup={lk}" if lk else ""))
                     configs.append(BenchConfig(name, m, k, p, c, v, lk))
     return list(dict.fromkeys(configs))
@@ -101,7 +101,7 @@ class BenchSettings:
     progress: bool = True
     adaptive: bool = False            # engine-chosen k per step, up to each config's k
     draft_p_mins: list[float] = field(default_factory=lambda: [0.0])  # draft / hybrid: one config per value
-    draft_confidences: list[float | None] = field(default_factory=lambda: [None])  # the same (None: default)
+    draft_confidences: list[float] = field(default_factory=lambda: [0.0])  # draft / hybrid: the same
     draft_vocab_sizes: list[int | None] = field(default_factory=lambda: [None])  # draft / hybrid: one config
     token_map: str | None = None  # per value; None: the full LM head. token_map: the ranking sizes cut from
     draft_quantization: str | None = None  # draft configs: the draft's weight format (None: the target's)
@@ -389,7 +389,7 @@ class BenchRunner:
 
         draft = self._proposers[cfg.method].inner
         draft.p_min = cfg.p_min
-        draft.confidence = self._spec[cfg.name].confidence
+        draft.confidence = cfg.confidence
         draft.set_vocab(self._draft_heads.setdefault(cfg.vocab, draft_head_ids(
             self._spec[cfg.name], self.engine.tokenizer, self.engine.eos_token_ids,
             draft.runner.model.args.vocab_size)))

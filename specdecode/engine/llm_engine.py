@@ -69,7 +69,7 @@ class LLMEngine:
             keep = draft_head_ids(spec, self.tokenizer, self.eos_token_ids, draft.model.args.vocab_size)
             self.proposer = DraftModelProposer(ModelRunner(draft, c.max_num_seqs, self.max_model_len, c.device),
                                                target.model.args.vocab_size, spec.draft_p_min, keep,
-                                               spec.confidence)
+                                               spec.draft_confidence)
         if c.compile:
             for runner in (self.target, getattr(self.proposer, "runner", None)):
                 if runner is not None:
@@ -218,7 +218,7 @@ class LLMEngine:
         ks = [self._choose_k(r, cap, lookup=False) for r, cap in zip(reqs, caps)]
         # With a confidence threshold the draft's own probabilities decide how deep it goes: adaptive k only
         # decides whether the draft model runs at all (and is what a lookup is compared with below).
-        depths = [cap if k else 0 for k, cap in zip(ks, caps)] if spec.confidence else ks
+        depths = [cap if k else 0 for k, cap in zip(ks, caps)] if spec.draft_confidence else ks
         if not spec.ngram_first:
             return StepDrafts(self.proposer.propose(reqs, depths), [False] * len(reqs), [[] for _ in reqs], none)
         found = [ngram_lookup(r.all_token_ids, cap, spec.prompt_lookup_min, spec.prompt_lookup_max) if cap else []

@@ -151,18 +151,17 @@ def _add_model_flags(p: argparse.ArgumentParser, draft_help: str, with_k: bool =
         g.add_argument("--draft-p-min", type=_float_in(0.0, 1.0), default=0.0, metavar="P",
                        help="stop drafting once the draft model's top probability falls below P (llama.cpp's "
                             "--draft-p-min; default 0: always draft k tokens)")
-        g.add_argument("--draft-confidence", type=_float_in(0.0, 1.0), default=None, metavar="C",
+        g.add_argument("--draft-confidence", type=_float_in(0.0, 1.0), default=0.0, metavar="C",
                        help="stop drafting once the product of the draft model's top probabilities (its estimate "
                             "that every token it drafted is accepted) falls below C; --draft is then the cap "
-                            "(default: 0.3 with --adaptive, else 0 = off)")
+                            "(default 0: off)")
     else:
         g.add_argument("--draft-p-min", type=_float_list(0.0, 0.99), default=[0.0], metavar="P,P",
                        help="draft and hybrid configs: stop drafting once the draft's top probability falls below "
                             "P; one config per value (default 0: always draft k tokens)")
-        g.add_argument("--draft-confidence", type=_float_list(0.0, 0.99), default=[None], metavar="C,C",
+        g.add_argument("--draft-confidence", type=_float_list(0.0, 0.99), default=[0.0], metavar="C,C",
                        help="draft and hybrid configs: stop drafting once the product of the draft's top "
-                            "probabilities falls below C, with k as the cap; one config per value (default: 0.3 "
-                            "with --adaptive, else 0 = off)")
+                            "probabilities falls below C, with k as the cap; one config per value (default 0: off)")
     vocab_help = ("draft model: score only N frequent tokens (from --token-map, else the ranking shipped for this "
                   "tokenizer, else the lowest ids) plus special tokens and each request's own context; a cheaper "
                   "draft step, same output")
@@ -287,7 +286,7 @@ def _engine_kwargs(args, k: int | None) -> dict:
             kw["speculative_adaptive"] = True
         if args.draft_p_min:
             kw["speculative_draft_p_min"] = args.draft_p_min
-        if args.draft_confidence is not None and draft != "[ngram]":
+        if args.draft_confidence and draft != "[ngram]":
             kw["speculative_draft_confidence"] = args.draft_confidence
         if args.draft_vocab_size and draft != "[ngram]":
             kw["speculative_draft_vocab_size"] = args.draft_vocab_size
