@@ -234,28 +234,18 @@ def test_bench_lookup_k_list(tiny_models, tiny_draft, spec_bench_file, tmp_path)
         assert "--ngram-draft" in _bench_error(models, *args)
 
 
-def test_bench_draft_confidence_list(tiny_models, tiny_draft, spec_bench_file, tmp_path):
-    """--draft-confidence C,C: one draft config per value (0 = off); a high one stops the random tiny draft
-    after its first token, greedy output still exact."""
+@pytest.mark.parametrize("flag,key,tag", [("--draft-p-min", "draft_p_min", "p"),
+                                           ("--draft-confidence", "draft_confidence", "c")])
+def test_bench_draft_stopping_rule_lists(flag, key, tag, tiny_models, tiny_draft, spec_bench_file, tmp_path):
+    """--draft-p-min P,P (one top probability) and --draft-confidence C,C (their product): one draft config
+    per value, each run with its own threshold (a high one stops the random tiny draft early, so it drafts
+    fewer tokens per step), greedy output still exact."""
     models = (tiny_models["llama"], tiny_draft, spec_bench_file)
-    r = _bench_list(models, tmp_path, "--method", "draft", "--k", "4", "--draft-confidence", "0,0.9")
-    assert [(c["name"], c["draft_confidence"]) for c in r["configs"]] == \
-        [("baseline", 0.0), ("draft k=4", 0.0), ("draft k=4 c=0.9", 0.9)]
-    full, early = r["overall"]["draft k=4"], r["overall"]["draft k=4 c=0.9"]
+    r = _bench_list(models, tmp_path, "--method", "draft", "--k", "4", flag, "0,0.9")
+    assert [(c["name"], c[key]) for c in r["configs"]] == \
+        [("baseline", 0.0), ("draft k=4", 0.0), (f"draft k=4 {tag}=0.9", 0.9)]
+    full, early = r["overall"]["draft k=4"], r["overall"][f"draft k=4 {tag}=0.9"]
     assert early["num_draft_tokens"] / early["num_drafts"] < full["num_draft_tokens"] / full["num_drafts"]
     assert full["greedy_mismatches"] == 0 and early["greedy_mismatches"] == 0
-    assert r["meta"]["draft_confidence"] == [0.0, 0.9]
-    assert "--draft-confidence" in _bench_error(models, "--draft-confidence", "1.5")
-
-
-def test_bench_draft_p_min_list(tiny_models, tiny_draft, spec_bench_file, tmp_path):
-    """--draft-p-min P,P: one draft config per value, each run with its own threshold (a high one stops the
-    random tiny draft early, so it drafts fewer tokens per step), greedy output still exact."""
-    r = _bench_list((tiny_models["llama"], tiny_draft, spec_bench_file), tmp_path,
-                    "--method", "draft", "--k", "4", "--draft-p-min", "0,0.9")
-    assert [(c["name"], c["draft_p_min"]) for c in r["configs"]] == \
-        [("baseline", 0.0), ("draft k=4", 0.0), ("draft k=4 p=0.9", 0.9)]
-    full, early = r["overall"]["draft k=4"], r["overall"]["draft k=4 p=0.9"]
-    assert early["num_draft_tokens"] / early["num_drafts"] < full["num_draft_tokens"] / full["num_drafts"]
-    assert full["greedy_mismatches"] == 0 and early["greedy_mismatches"] == 0
-    assert r["meta"]["draft_p_min"] == [0.0, 0.9]
+    assert r["meta"][key] == [0.0, 0.9]
+    assert flag in _bench_error(models, flag, "1.5")
