@@ -93,13 +93,11 @@ class DraftModelProposer:
         if not any(lookups):
             return prop
         probs = prop.probs
-        width = max(len(t) for t in lookups + prop.tokens)
         if probs is not None:  # some sampled request used the draft model: give looked-up drafts one-hot rows
-            pad = max(0, width - probs.shape[1])  # the draft may have stopped early (p_min): never negative
-            probs = torch.cat([probs, probs.new_zeros(len(requests), pad, self.vocab)], 1)
+            probs = _widened(probs, max(len(t) for t in lookups + prop.tokens))
             for i, found in enumerate(lookups):
                 if found and not requests[i].params.greedy:
-                    probs[i, torch.arange(len(found)), torch.tensor(found)] = 1.0
+                    probs = _one_hot_rows(probs, i, 0, found)
         return Proposal([found or drafted for found, drafted in zip(lookups, prop.tokens)], probs)
 
     def _stop_before(self, i: int, step: int, top_p: float, cum: list[float]) -> bool:
@@ -148,7 +146,7 @@ class DraftModelProposer:
                 if copied:
                     tokens[i] += copied
                     if probs is not None and not r.params.greedy:
-                        probs = self._one_hot_rows(probs, i, len(tokens[i]) - len(copied), copied)
+                        probs = _one_hot_rows(probs, i, len(tokens[i]) - len(copied), copied)
                 if copied or len(tokens[i]) >= ks[i]:
                     active.remove(i)
                 else:
@@ -162,13 +160,19 @@ class DraftModelProposer:
                 logits[i] = lg[0]
         return Proposal(tokens, probs)
 
-    def _one_hot_rows(self, probs: torch.Tensor, i: int, start: int, toks: list[int]) -> torch.Tensor:
-        """probs with rows start.. of request i set to one-hot rows for toks (widened if needed)."""
-        need = start + len(toks) - probs.shape[1]
-        if need > 0:
-            probs = torch.cat([probs, probs.new_zeros(probs.shape[0], need, probs.shape[2])], 1)
-        probs[i, torch.arange(start, start + len(toks)), torch.tensor(toks)] = 1.0
-        return probs
-
     def rollback(self, request, valid_len: int) -> None:
         request.draft_computed = min(request.draft_computed, valid_len)
+
+
+def _widened(probs: torch.Tensor, width: int) -> torch.Tensor:
+    """[R, K, V] draft probabilities with at least `width` positions (zero rows added)."""
+    need = width - probs.shape[1]
+    return torch.cat([probs, probs.new_zeros(probs.shape[0], need, probs.shape[2])], 1) if need > 0 else probs
+
+
+def _one_hot_rows(probs: torch.Tensor, i: int, start: int, toks: list[int]) -> torch.Tensor:
+    """probs (widened if needed) with request i's rows start.. set to one-hot rows for toks: drafts copied from
+    the context are proposed with certainty."""
+    probs = _widened(probs, start + len(toks))
+    probs[i, torch.arange(start, start + len(toks)), torch.tensor(toks)] = 1.0
+    return probs
