@@ -232,12 +232,17 @@ class LLMEngine:
                 kl = 0  # the draft model is expected to do better here than a copy from the context
             use.append(f[:kl])
         copied_from: list[int | None] = list(none)
+        depth: dict[int, int] = {}  # request -> lookup depth, fixed for the step: one estimate per request
 
         def extend(i: int, drafted: list[int]) -> list[int]:
             # The draft model's latest token may complete an n-gram seen earlier in the context: the model is
             # starting to copy, and the rest of the span costs no draft passes (one-hot drafts, like a lookup).
             r = reqs[i]
-            room = min(lookup_caps[i] - len(drafted), self._lookup_depth(r, lookup_caps[i]))
+            if lookup_caps[i] <= len(drafted):
+                return []
+            if i not in depth:
+                depth[i] = self._lookup_depth(r, lookup_caps[i])
+            room = min(lookup_caps[i] - len(drafted), depth[i])
             if room <= 0:
                 return []
             copied = ngram_lookup(r.all_token_ids + drafted, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
