@@ -131,14 +131,14 @@ class DraftModelProposer:
                 lg = self._fit_vocab(logits[i].float())
                 if r.params.greedy:
                     tok = int(argmax(lg))
-                    if stopping and self._stop_before(i, step, float(torch.softmax(lg, -1)[tok]), cum):
-                        active.remove(i)
-                        continue
+                    top = float(torch.softmax(lg, -1)[tok]) if stopping else 1.0
                 else:
                     p = logits_to_probs(lg[None], [r.params])[0]
-                    if stopping and self._stop_before(i, step, float(p.max()), cum):
-                        active.remove(i)
-                        continue
+                    top = float(p.max()) if stopping else 1.0
+                if stopping and self._stop_before(i, step, top, cum):
+                    active.remove(i)
+                    continue
+                if not r.params.greedy:  # drawn only now: whether to draft it did not depend on it
                     tok = sample(p, r.generator)
                     probs[i, step] = p
                 tokens[i].append(tok)
