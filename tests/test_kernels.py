@@ -336,3 +336,35 @@ def test_integer_instruction_sets_agree_bitwise(tmp_path):
                 assert torch.equal(kernels.rowinv_linear(x, p, b), want), f"{name} differs from {saved.isa()}"
     finally:
         kernels._ext = saved
+
+
+def _cpu_has_amx() -> bool:
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split() for line in f if line.startswith("flags")), [])
+    return "amx_int8" in flags and "amx_tile" in flags
+
+
+def test_amx_tiles_agree_bitwise_with_vnni():
+    """Where the CPU has AMX, multi-row w8a8 calls run on tiles; their sums and epilogue are those of the
+    VNNI path, so every row (any count, any tile width, ragged N and K) is bitwise the same either way."""
+    if not kernels.kernel_available():
+        pytest.fail("the kernel must build on the test machine")
+    if not kernels.set_amx(True):
+        # Only acceptable where the CPU has no AMX (or the build has no VNNI path to match it against).
+        assert not (_cpu_has_amx() and kernels._ext.isa() == "avx512-vnni"), "AMX CPU, but the tiles are unused"
+        return
+    try:
+        for i, (n, k) in enumerate([(64, 64), (257, 72), (131, 1536), (40, 4100)]):
+            p, b = kernels.pack_linear(_weight(n, k, 80 + i), "w8a8"), torch.randn(n)
+            for m in (1, 2, 3, 4, 5, 9, 13, 16, 17, 40):
+                x = _x(m, k, 90 + m) * 4
+                for bias in (None, b):
+                    got = kernels.rowinv_linear(x, p, bias)
+                    assert kernels.set_amx(False) is False
+                    want = kernels.rowinv_linear(x, p, bias)
+                    assert kernels.set_amx(True)
+                    assert torch.equal(got, want), (n, k, m, bias is None)
+                    # and each row equals that row computed alone
+                    assert torch.equal(got[m // 2:m // 2 + 1], kernels.rowinv_linear(x[m // 2:m // 2 + 1], p, bias))
+    finally:
+        kernels.set_amx(True)

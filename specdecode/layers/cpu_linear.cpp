@@ -27,6 +27,8 @@
 #include <cstring>
 #include <vector>
 #include <exception>
+#include <atomic>
+#include <cstdlib>
 
 #if defined(__SSE__)
 #include <xmmintrin.h>
@@ -348,7 +350,7 @@ static inline int next_rows(int64_t rem) {
 // register tiles of next_rows() rows; tile(R, m, c0, c1) computes rows [m, m+R) x channels [c0, c1).
 template <typename TileFn>
 static void schedule(int64_t M, int64_t N, int64_t row_bytes, int64_t macs_per_output, int64_t min_macs_per_task,
-                     TileFn&& tile, int64_t unit = kUnit) {
+                     TileFn&& tile, int64_t unit = kUnit, int max_rows = 0) {
   const int64_t nb = std::max<int64_t>(unit, (kL2Budget / std::max<int64_t>(1, row_bytes)) / unit * unit);
   const int64_t units = (N + unit - 1) / unit;
   // Do not wake threads for tiny problems.
@@ -368,7 +370,7 @@ static void schedule(int64_t M, int64_t N, int64_t row_bytes, int64_t macs_per_o
       for (int64_t cb = c0; cb < c1; cb += nb) {
         const int64_t ce = std::min(c1, cb + nb);
         for (int64_t m = mb; m < me;) {
-          const int R = next_rows(me - m);
+          const int R = max_rows ? static_cast<int>(std::min<int64_t>(max_rows, me - m)) : next_rows(me - m);
           tile(R, m, cb, ce);
           m += R;
         }
@@ -472,12 +474,13 @@ static void group_rows(const A& a, int64_t m0, int64_t g0, int64_t g1) {
 }
 
 // Every row and group through schedule(); rows[R - 1] handles tiles of R rows.
-template <typename A>
+template <typename A, int T = 6>
 static void run_groups(const A& a, int64_t M, int64_t group_bytes,
-                       void (*const (&rows)[6])(const A&, int64_t, int64_t, int64_t)) {
+                       void (*const (&rows)[T])(const A&, int64_t, int64_t, int64_t)) {
   const int64_t groups = (a.N + kGroup - 1) / kGroup;
   schedule(M, groups, group_bytes, a.Kp * kGroup, int64_t(1) << 17,
-           [&](int R, int64_t m, int64_t g0, int64_t g1) { rows[std::min(R, 6) - 1](a, m, g0, g1); }, kGroupUnit);
+           [&](int R, int64_t m, int64_t g0, int64_t g1) { rows[std::min(R, T) - 1](a, m, g0, g1); }, kGroupUnit,
+           T > 6 ? T : 0);
 }
 
 #if SPECDECODE_VNNI
@@ -639,7 +642,152 @@ static void w8a8_rows(const W8Args& a, int64_t m0, int64_t g0, int64_t g1) {
   group_rows<W8Args, R, w8a8_width(R), w8a8_tile<R, w8a8_width(R)>, w8a8_tile<R, 1>>(a, m0, g0, g1);
 }
 
+// ---------------------------------------------------------------------------------------------
+// AMX (Sapphire Rapids and later): the same integers from tile instructions. Group g, block b of the
+// interleaved weights (8 quads x 64 bytes, contiguous) is exactly a B tile of 8 rows x 64 bytes, and
+// rows m0.. of the quantized activations at block b are an A tile of R rows x 32 bytes (stride Kp).
+// TDPBSUD (signed activation bytes x unsigned weight bytes) yields the block's R x 16 integer sums
+// sum (w + 128) * q, exact; adding the block's -128 * sum(q) gives the very t_b of the VNNI path, and the
+// float epilogue is the same fma per block in the same order. So the result is bitwise that of VNNI,
+// for any R, while one tile instruction does the integer work of 8 * R vpdpbusd. What is left per row is
+// the float epilogue, so extra verification rows cost far less (1.5B target, 16 rows: 1.35x faster).
+// ---------------------------------------------------------------------------------------------
+#if SPECDECODE_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define SPECDECODE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define SPECDECODE_AMX 0
+#endif
+
+constexpr int kAmxRows = 16;     // rows of an A / C tile
+constexpr int64_t kAmxMinRows = 3;  // up to two rows VNNI is as fast (bound by memory) and needs no tile setup
+constexpr int64_t kAmxPrefetchBlocks = 4;  // weight blocks prefetched ahead of the tile loads
+
+// Linux hands out AMX state only on request (once per process); without the grant a tile instruction
+// faults. SPECDECODE_AMX=0 or set_amx(False) keeps the VNNI path.
+static bool amx_granted() {
+#if SPECDECODE_AMX
+  static const bool ok = [] {
+    const char* env = std::getenv("SPECDECODE_AMX");
+    if (env && env[0] == '0') return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+static std::atomic<bool> g_amx_on{true};
+static bool amx_enabled() { return g_amx_on.load(std::memory_order_relaxed) && amx_granted(); }
+
+#if SPECDECODE_AMX
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Rows [m0, m0 + R) x C groups from g0. Tiles 0..C-1: the groups' sums (C), 4: activations (A), 5-7: weights
+// (B). Several groups at once keep several weight streams in flight, as the VNNI tiles do.
+template <int R, int C>
+static inline void w8a8_amx_tile(const W8Args& a, int64_t m0, int64_t g0) {
+  alignas(64) int32_t sums[C][kAmxRows][kGroup];
+  const int8_t* q = a.x.q + m0 * a.x.ldq;
+  const int32_t* nc = a.x.ncorr + m0 * a.x.ldb;
+  const float* dl = a.x.d + m0 * a.x.ldb;
+  const uint8_t* wg[C];
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c) wg[c] = a.group(g0 + c);
+  __m512 acc[C][R];
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c)
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < a.nblocks; ++b) {
+    if (kPrefetch)
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c)
+        for (int l = 0; l < 8; ++l) prefetch(reinterpret_cast<const char*>(wg[c] + (b + kAmxPrefetchBlocks) * 512 + 64 * l));
+    _tile_zero(0);
+    if constexpr (C > 1) _tile_zero(1);
+    if constexpr (C > 2) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    _tile_loadd(4, q + b * kQBlock, a.x.ldq);
+    _tile_loadd(5, wg[0] + b * 512, 64);
+    _tile_dpbsud(0, 4, 5);
+    if constexpr (C > 1) {
+      _tile_loadd(6, wg[1] + b * 512, 64);
+      _tile_dpbsud(1, 4, 6);
+    }
+    if constexpr (C > 2) {
+      _tile_loadd(7, wg[2] + b * 512, 64);
+      _tile_dpbsud(2, 4, 7);
+      _tile_loadd(5, wg[3] + b * 512, 64);
+      _tile_dpbsud(3, 4, 5);
+    }
+    _tile_stored(0, sums[0], 64);
+    if constexpr (C > 1) _tile_stored(1, sums[1], 64);
+    if constexpr (C > 2) {
+      _tile_stored(2, sums[2], 64);
+      _tile_stored(3, sums[3], 64);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512i n = _mm512_set1_epi32(nc[r * a.x.ldb + b]);
+      const __m512 d = _mm512_set1_ps(dl[r * a.x.ldb + b]);
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c)
+        acc[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_load_si512(sums[c][r]), n)), d, acc[c][r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c) {
+    const int64_t n0 = (g0 + c) * kGroup;
+    const __mmask16 live = static_cast<__mmask16>(n0 + kGroup <= a.N ? 0xFFFF : (1u << (a.N - n0)) - 1);
+    const __m512 sc = _mm512_maskz_loadu_ps(live, a.scale + n0);
+    const __m512 bi = a.bias ? _mm512_maskz_loadu_ps(live, a.bias + n0) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      __m512 v = _mm512_mul_ps(acc[c][r], sc);
+      if (a.bias) v = _mm512_add_ps(v, bi);
+      _mm512_mask_storeu_ps(a.y + (m0 + r) * a.ldy + n0, live, v);
+    }
+  }
+}
+// Groups per tile call for R rows (measured on the 1.5B target's shapes, weights streamed from memory: four
+// groups for up to 4 rows, then two; one group with the tiles alternating between blocks was 10-20% slower).
+constexpr int amx_width(int R) { return R <= 4 ? 4 : 2; }
+
+template <int R>
+static void w8a8_amx_rows(const W8Args& a, int64_t m0, int64_t g0, int64_t g1) {
+  TileConfig cfg;
+  for (int t = 0; t < 4; ++t) cfg.rows[t] = R, cfg.colsb[t] = 64;
+  cfg.rows[4] = R, cfg.colsb[4] = kQBlock;
+  for (int t = 5; t < 8; ++t) cfg.rows[t] = kQBlock / 4, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);  // per call: the tile state is per thread and other code may have changed it
+  group_rows<W8Args, R, amx_width(R), w8a8_amx_tile<R, amx_width(R)>, w8a8_amx_tile<R, 1>>(a, m0, g0, g1);
+  _tile_release();
+}
+
+template <int... Rs>
+struct AmxTable {
+  static constexpr void (*rows[sizeof...(Rs)])(const W8Args&, int64_t, int64_t, int64_t) = {w8a8_amx_rows<Rs>...};
+};
+#endif
+
 static void w8a8_run(const W8Args& a, int64_t M) {
+#if SPECDECODE_AMX
+  if (M >= kAmxMinRows && amx_enabled()) {
+    using T = AmxTable<1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16>;
+    run_groups<W8Args, kAmxRows>(a, M, a.Kp * kGroup, T::rows);
+    return;
+  }
+#endif
   static void (*const rows[6])(const W8Args&, int64_t, int64_t, int64_t) = {
       w8a8_rows<1>, w8a8_rows<2>, w8a8_rows<3>, w8a8_rows<4>, w8a8_rows<5>, w8a8_rows<6>};
   run_groups(a, M, a.Kp * kGroup, rows);
@@ -1390,6 +1538,14 @@ PyObject* py_isa(PyObject*, PyObject*) {
   return PyUnicode_FromString(SPECDECODE_VNNI ? "avx512-vnni" : SPECDECODE_AVX2 ? "avx2" : "scalar");
 }
 
+// amx([on]) -> whether w8a8 calls of 2+ rows use AMX tiles (compiled in, granted by the OS and switched on).
+PyObject* py_amx(PyObject*, PyObject* args) {
+  int on = -1;
+  if (!PyArg_ParseTuple(args, "|i", &on)) return nullptr;
+  if (on >= 0) g_amx_on.store(on != 0);
+  return PyBool_FromLong(amx_enabled());
+}
+
 PyObject* py_has_avx2(PyObject*, PyObject*) { return PyBool_FromLong(SPECDECODE_AVX2); }
 
 PyMethodDef kMethods[] = {
@@ -1397,6 +1553,7 @@ PyMethodDef kMethods[] = {
     {"decoder_layers", py_decoder_layers, METH_VARARGS, "Decoder layers for decode / verification rows"},
     {"has_avx2", py_has_avx2, METH_NOARGS, "True if compiled with AVX2/FMA intrinsics"},
     {"isa", py_isa, METH_NOARGS, "Instruction set of the W8A8 path"},
+    {"amx", py_amx, METH_VARARGS, "amx([on]): switch AMX tiles for multi-row W8A8 calls; returns whether in use"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "specdecode_cpu_linear", nullptr, -1, kMethods,

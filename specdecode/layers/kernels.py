@@ -428,7 +428,21 @@ def kernel_available() -> bool:
 def kernel_info() -> dict:
     ext = None if _disabled() else _get_ext()
     return {"available": ext is not None, "avx2": bool(ext.has_avx2()) if ext is not None else False,
-            "disabled": _disabled()}
+            "isa": ext.isa() if ext is not None else None, "amx": amx_active(), "disabled": _disabled()}
+
+
+def set_amx(enabled: bool) -> bool:
+    """Let w8a8 calls of two or more rows use AMX tiles (on by default where the CPU has them and the OS
+    grants them; ``SPECDECODE_AMX=0`` keeps them off). The results are bitwise the same either way, so this
+    only changes speed. Returns whether AMX is now in use."""
+    ext = None if _disabled() else _get_ext()
+    return bool(ext.amx(int(bool(enabled)))) if ext is not None else False
+
+
+def amx_active() -> bool:
+    """Whether multi-row w8a8 calls currently run on AMX tiles."""
+    ext = None if _disabled() else _get_ext()
+    return bool(ext.amx()) if ext is not None else False
 
 
 # ------------------------------------------------------------------------------------------------
