@@ -484,6 +484,24 @@ static void run_groups(const A& a, int64_t M, int64_t group_bytes,
 }
 
 #if SPECDECODE_VNNI
+// y = acc * scale (+ bias) for rows [m0, m0 + R) x C groups from g0: the epilogue of the VNNI and AMX tiles.
+template <int R, int C>
+static inline SPECDECODE_ALWAYS_INLINE void w8a8_store(const W8Args& a, int64_t m0, int64_t g0, __m512 (&acc)[R][C]) {
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c) {
+    const int64_t n0 = (g0 + c) * kGroup;
+    const __mmask16 live = static_cast<__mmask16>(n0 + kGroup <= a.N ? 0xFFFF : (1u << (a.N - n0)) - 1);
+    const __m512 sc = _mm512_maskz_loadu_ps(live, a.scale + n0);
+    const __m512 bi = a.bias ? _mm512_maskz_loadu_ps(live, a.bias + n0) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      __m512 v = _mm512_mul_ps(acc[r][c], sc);
+      if (a.bias) v = _mm512_add_ps(v, bi);
+      _mm512_mask_storeu_ps(a.y + (m0 + r) * a.ldy + n0, live, v);
+    }
+  }
+}
+
 // R rows x C groups of 16 channels.
 template <int R, int C>
 static inline void w8a8_tile(const W8Args& a, int64_t m0, int64_t g0) {
@@ -522,19 +540,7 @@ static inline void w8a8_tile(const W8Args& a, int64_t m0, int64_t g0) {
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[r][c]), d, acc[r][c]);
     }
   }
-#pragma GCC unroll 8
-  for (int c = 0; c < C; ++c) {
-    const int64_t n0 = (g0 + c) * kGroup;
-    const __mmask16 live = static_cast<__mmask16>(n0 + kGroup <= a.N ? 0xFFFF : (1u << (a.N - n0)) - 1);
-    const __m512 sc = _mm512_maskz_loadu_ps(live, a.scale + n0);
-    const __m512 bi = a.bias ? _mm512_maskz_loadu_ps(live, a.bias + n0) : _mm512_setzero_ps();
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      __m512 v = _mm512_mul_ps(acc[r][c], sc);
-      if (a.bias) v = _mm512_add_ps(v, bi);
-      _mm512_mask_storeu_ps(a.y + (m0 + r) * a.ldy + n0, live, v);
-    }
-  }
+  w8a8_store<R, C>(a, m0, g0, acc);
 }
 constexpr int w8a8_width(int R) { return R <= 3 ? 4 : 2; }
 
@@ -701,11 +707,11 @@ static inline void w8a8_amx_tile(const W8Args& a, int64_t m0, int64_t g0) {
   const uint8_t* wg[C];
 #pragma GCC unroll 4
   for (int c = 0; c < C; ++c) wg[c] = a.group(g0 + c);
-  __m512 acc[C][R];
-#pragma GCC unroll 4
-  for (int c = 0; c < C; ++c)
+  __m512 acc[R][C];
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.nblocks; ++b) {
     if (kPrefetch)
 #pragma GCC unroll 4
@@ -742,22 +748,10 @@ static inline void w8a8_amx_tile(const W8Args& a, int64_t m0, int64_t g0) {
       const __m512 d = _mm512_set1_ps(dl[r * a.x.ldb + b]);
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c)
-        acc[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_load_si512(sums[c][r]), n)), d, acc[c][r]);
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_load_si512(sums[c][r]), n)), d, acc[r][c]);
     }
   }
-#pragma GCC unroll 4
-  for (int c = 0; c < C; ++c) {
-    const int64_t n0 = (g0 + c) * kGroup;
-    const __mmask16 live = static_cast<__mmask16>(n0 + kGroup <= a.N ? 0xFFFF : (1u << (a.N - n0)) - 1);
-    const __m512 sc = _mm512_maskz_loadu_ps(live, a.scale + n0);
-    const __m512 bi = a.bias ? _mm512_maskz_loadu_ps(live, a.bias + n0) : _mm512_setzero_ps();
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      __m512 v = _mm512_mul_ps(acc[c][r], sc);
-      if (a.bias) v = _mm512_add_ps(v, bi);
-      _mm512_mask_storeu_ps(a.y + (m0 + r) * a.ldy + n0, live, v);
-    }
-  }
+  w8a8_store<R, C>(a, m0, g0, acc);
 }
 // Groups per tile call for R rows (measured on the 1.5B target's shapes, weights streamed from memory: four
 // groups for up to 4 rows, then two; one group with the tiles alternating between blocks was 10-20% slower).
