@@ -344,8 +344,9 @@ def _cpu_has_amx() -> bool:
     return "amx_int8" in flags and "amx_tile" in flags
 
 
-def test_amx_tiles_agree_bitwise_with_vnni():
-    """Where the CPU has AMX, multi-row w8a8 calls run on tiles; their sums and epilogue are those of the
+@pytest.mark.parametrize("fmt", ["w8a8", "w4a8"])
+def test_amx_tiles_agree_bitwise_with_vnni(fmt):
+    """Where the CPU has AMX, multi-row integer calls run on tiles; their sums and epilogue are those of the
     VNNI path, so every row (any count, any tile width, ragged N and K) is bitwise the same either way."""
     if not kernels.kernel_available():
         pytest.fail("the kernel must build on the test machine")
@@ -355,8 +356,8 @@ def test_amx_tiles_agree_bitwise_with_vnni():
         return
     try:
         for i, (n, k) in enumerate([(64, 64), (257, 72), (131, 1536), (40, 4100)]):
-            p, b = kernels.pack_linear(_weight(n, k, 80 + i), "w8a8"), torch.randn(n)
-            for m in (1, 2, 3, 4, 5, 9, 13, 16, 17, 40):
+            p, b = kernels.pack_linear(_weight(n, k, 80 + i), fmt), torch.randn(n)
+            for m in (1, 2, 3, 4, 5, 7, 9, 13, 16, 17, 40):
                 x = _x(m, k, 90 + m) * 4
                 for bias in (None, b):
                     got = kernels.rowinv_linear(x, p, bias)

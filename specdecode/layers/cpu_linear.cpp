@@ -649,7 +649,7 @@ static void w8a8_rows(const W8Args& a, int64_t m0, int64_t g0, int64_t g1) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// AMX (Sapphire Rapids and later): the same integers from tile instructions. Group g, block b of the
+// AMX (Sapphire Rapids and later): the same integers from tile instructions (w8a8 here; w4a8 below). Group g, block b of the
 // interleaved weights (8 quads x 64 bytes, contiguous) is exactly a B tile of 8 rows x 64 bytes, and
 // rows m0.. of the quantized activations at block b are an A tile of R rows x 32 bytes (stride Kp).
 // TDPBSUD (signed activation bytes x unsigned weight bytes) yields the block's R x 16 integer sums
@@ -668,6 +668,9 @@ static void w8a8_rows(const W8Args& a, int64_t m0, int64_t g0, int64_t g1) {
 
 constexpr int kAmxRows = 16;     // rows of an A / C tile
 constexpr int64_t kAmxMinRows = 3;  // up to two rows VNNI is as fast (bound by memory) and needs no tile setup
+// w4a8 up to 6 rows: VNNI's single-group tiles (w4a8_one) stay faster (0.5B draft's linears, 4 rows: 12.8 ms
+// against 14.4; 7 rows: 19.0 against 15.5, where VNNI needs two row tiles)
+constexpr int64_t kAmx4MinRows = 7;
 constexpr int64_t kAmxPrefetchBlocks = 4;  // weight blocks prefetched ahead of the tile loads
 
 // Linux hands out AMX state only on request (once per process); without the grant a tile instruction
@@ -696,52 +699,77 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Rows [m0, m0 + R) x C groups from g0. Tiles 0..C-1: the groups' sums (C), 4: activations (A), 5-7: weights
-// (B). Several groups at once keep several weight streams in flight, as the VNNI tiles do.
+// One block of 32 inputs for rows [0, R) of the A tile at q (stride ldq) and C groups whose B tiles are at
+// w[c] (8 rows of 64 bytes): sums[c][r][l] = the exact sum of q[r, k] * w[c][k / 4][4 l + k % 4]. Tiles
+// 0..C-1 hold the sums, 4 the activations and 5-7 the weights.
+template <int C>
+static inline SPECDECODE_ALWAYS_INLINE void amx_block_sums(const int8_t* q, int64_t ldq, const uint8_t* const (&w)[C],
+                                                           int32_t (&sums)[C][kAmxRows][kGroup]) {
+  _tile_zero(0);
+  if constexpr (C > 1) _tile_zero(1);
+  if constexpr (C > 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  _tile_loadd(4, q, ldq);
+  _tile_loadd(5, w[0], 64);
+  _tile_dpbsud(0, 4, 5);
+  if constexpr (C > 1) {
+    _tile_loadd(6, w[1], 64);
+    _tile_dpbsud(1, 4, 6);
+  }
+  if constexpr (C > 2) {
+    _tile_loadd(7, w[2], 64);
+    _tile_dpbsud(2, 4, 7);
+    _tile_loadd(5, w[3], 64);
+    _tile_dpbsud(3, 4, 5);
+  }
+  _tile_stored(0, sums[0], 64);
+  if constexpr (C > 1) _tile_stored(1, sums[1], 64);
+  if constexpr (C > 2) {
+    _tile_stored(2, sums[2], 64);
+    _tile_stored(3, sums[3], 64);
+  }
+}
+
+// Groups per tile call for R rows (measured on the 1.5B target's shapes, weights streamed from memory: four
+// groups for up to 4 rows, then two; one group with the tiles alternating between blocks was 10-20% slower).
+// Several groups at once keep several weight streams in flight, as the VNNI tiles do.
+constexpr int amx_width(int R) { return R <= 4 ? 4 : 2; }
+
+// Rows [m0, m0 + R) x groups [g0, g1) of either integer format, in tiles of amx_width(R) groups.
+template <typename A, int R, GroupTile<A> Wide, GroupTile<A> Single>
+static void amx_rows(const A& a, int64_t m0, int64_t g0, int64_t g1) {
+  TileConfig cfg;
+  for (int t = 0; t < 4; ++t) cfg.rows[t] = R, cfg.colsb[t] = 64;
+  cfg.rows[4] = R, cfg.colsb[4] = kQBlock;
+  for (int t = 5; t < 8; ++t) cfg.rows[t] = kQBlock / 4, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);  // per call: the tile state is per thread and other code may have changed it
+  group_rows<A, R, amx_width(R), Wide, Single>(a, m0, g0, g1);
+  _tile_release();
+}
+
+// Rows [m0, m0 + R) x C groups from g0.
 template <int R, int C>
 static inline void w8a8_amx_tile(const W8Args& a, int64_t m0, int64_t g0) {
   alignas(64) int32_t sums[C][kAmxRows][kGroup];
   const int8_t* q = a.x.q + m0 * a.x.ldq;
   const int32_t* nc = a.x.ncorr + m0 * a.x.ldb;
   const float* dl = a.x.d + m0 * a.x.ldb;
-  const uint8_t* wg[C];
-#pragma GCC unroll 4
-  for (int c = 0; c < C; ++c) wg[c] = a.group(g0 + c);
   __m512 acc[R][C];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.nblocks; ++b) {
-    if (kPrefetch)
+    const uint8_t* w[C];
 #pragma GCC unroll 4
-      for (int c = 0; c < C; ++c)
-        for (int l = 0; l < 8; ++l) prefetch(reinterpret_cast<const char*>(wg[c] + (b + kAmxPrefetchBlocks) * 512 + 64 * l));
-    _tile_zero(0);
-    if constexpr (C > 1) _tile_zero(1);
-    if constexpr (C > 2) {
-      _tile_zero(2);
-      _tile_zero(3);
+    for (int c = 0; c < C; ++c) {
+      w[c] = a.group(g0 + c) + b * 512;
+      if (kPrefetch)
+        for (int l = 0; l < 8; ++l) prefetch(reinterpret_cast<const char*>(w[c] + kAmxPrefetchBlocks * 512 + 64 * l));
     }
-    _tile_loadd(4, q + b * kQBlock, a.x.ldq);
-    _tile_loadd(5, wg[0] + b * 512, 64);
-    _tile_dpbsud(0, 4, 5);
-    if constexpr (C > 1) {
-      _tile_loadd(6, wg[1] + b * 512, 64);
-      _tile_dpbsud(1, 4, 6);
-    }
-    if constexpr (C > 2) {
-      _tile_loadd(7, wg[2] + b * 512, 64);
-      _tile_dpbsud(2, 4, 7);
-      _tile_loadd(5, wg[3] + b * 512, 64);
-      _tile_dpbsud(3, 4, 5);
-    }
-    _tile_stored(0, sums[0], 64);
-    if constexpr (C > 1) _tile_stored(1, sums[1], 64);
-    if constexpr (C > 2) {
-      _tile_stored(2, sums[2], 64);
-      _tile_stored(3, sums[3], 64);
-    }
+    amx_block_sums<C>(q + b * kQBlock, a.x.ldq, w, sums);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m512i n = _mm512_set1_epi32(nc[r * a.x.ldb + b]);
@@ -753,19 +781,10 @@ static inline void w8a8_amx_tile(const W8Args& a, int64_t m0, int64_t g0) {
   }
   w8a8_store<R, C>(a, m0, g0, acc);
 }
-// Groups per tile call for R rows (measured on the 1.5B target's shapes, weights streamed from memory: four
-// groups for up to 4 rows, then two; one group with the tiles alternating between blocks was 10-20% slower).
-constexpr int amx_width(int R) { return R <= 4 ? 4 : 2; }
 
 template <int R>
 static void w8a8_amx_rows(const W8Args& a, int64_t m0, int64_t g0, int64_t g1) {
-  TileConfig cfg;
-  for (int t = 0; t < 4; ++t) cfg.rows[t] = R, cfg.colsb[t] = 64;
-  cfg.rows[4] = R, cfg.colsb[4] = kQBlock;
-  for (int t = 5; t < 8; ++t) cfg.rows[t] = kQBlock / 4, cfg.colsb[t] = 64;
-  _tile_loadconfig(&cfg);  // per call: the tile state is per thread and other code may have changed it
-  group_rows<W8Args, R, amx_width(R), w8a8_amx_tile<R, amx_width(R)>, w8a8_amx_tile<R, 1>>(a, m0, g0, g1);
-  _tile_release();
+  amx_rows<W8Args, R, w8a8_amx_tile<R, amx_width(R)>, w8a8_amx_tile<R, 1>>(a, m0, g0, g1);
 }
 
 template <int... Rs>
@@ -1114,10 +1133,88 @@ static void w4a8_rows(const W4Args& a, int64_t m0, int64_t g0, int64_t g1) {
   group_rows<W4Args, R, w4a8_width(R), w4a8_tile<R, w4a8_width(R)>, w4a8_tile<R, 1>>(a, m0, g0, g1);
 }
 
+#if SPECDECODE_AMX
+// AMX for the 4-bit format: each block's nibbles are spread to bytes (quarter j's low nibbles are quad 2j of
+// the block, its high ones quad 2j + 1), which makes them a B tile; the sums, -8 * sum(q) and the epilogue
+// fma(float(t_b), d_b * s[n, b], acc) are those of the VNNI path, so the output is bitwise the same.
+template <int R, int C>
+static inline void w4a8_amx_tile(const W4Args& a, int64_t m0, int64_t g0) {
+  alignas(64) int32_t sums[C][kAmxRows][kGroup];
+  alignas(64) uint8_t bytes[C][512];
+  const int8_t* q = a.x.q + m0 * a.x.ldq;
+  const int32_t* nc = a.x.ncorr + m0 * a.x.ldb;
+  const float* dl = a.x.d + m0 * a.x.ldb;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const uint8_t* w[C];
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c) w[c] = bytes[c];
+  __m512 acc[R][C];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < a.nblocks; ++b) {
+    __m512 sc[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* wg = a.group(g0 + c) + b * 256;
+      if (kPrefetch) {
+        for (int l = 0; l < 4; ++l) prefetch(reinterpret_cast<const char*>(wg) + kW4PrefetchBlocks * 256 + 64 * l);
+        if ((b & 1) == 0) prefetch(reinterpret_cast<const char*>(a.scales(g0 + c) + (b + kW4PrefetchBlocks) * kGroup));
+      }
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(wg + 64 * j);
+        _mm512_store_si512(bytes[c] + 128 * j, _mm512_and_si512(v, low));
+        _mm512_store_si512(bytes[c] + 128 * j + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+      }
+      sc[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.scales(g0 + c) + b * kGroup)));
+    }
+    amx_block_sums<C>(q + b * kQBlock, a.x.ldq, w, sums);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512i n = _mm512_set1_epi32(nc[r * a.x.ldb + b] / 16);
+      const __m512 d = _mm512_set1_ps(dl[r * a.x.ldb + b]);
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c)
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_load_si512(sums[c][r]), n)),
+                                    _mm512_mul_ps(d, sc[c]), acc[r][c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c) {
+    alignas(64) float out[16];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      _mm512_store_ps(out, acc[r][c]);
+      w4a8_store(a, m0 + r, (g0 + c) * kGroup, out, 16);
+    }
+  }
+}
+
+template <int R>
+static void w4a8_amx_rows(const W4Args& a, int64_t m0, int64_t g0, int64_t g1) {
+  amx_rows<W4Args, R, w4a8_amx_tile<R, amx_width(R)>, w4a8_amx_tile<R, 1>>(a, m0, g0, g1);
+}
+
+template <int... Rs>
+struct Amx4Table {
+  static constexpr void (*rows[sizeof...(Rs)])(const W4Args&, int64_t, int64_t, int64_t) = {w4a8_amx_rows<Rs>...};
+};
+#endif
+
 static void w4a8_run(const W4Args& a, int64_t M) {
+  const int64_t group_bytes = a.Kp * kGroup / 2 + a.nblocks * kGroup * 2;
+#if SPECDECODE_AMX
+  if (M >= kAmx4MinRows && amx_enabled()) {
+    using T = Amx4Table<1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16>;
+    run_groups<W4Args, kAmxRows>(a, M, group_bytes, T::rows);
+    return;
+  }
+#endif
   static void (*const rows[6])(const W4Args&, int64_t, int64_t, int64_t) = {
       w4a8_rows<1>, w4a8_rows<2>, w4a8_rows<3>, w4a8_rows<4>, w4a8_rows<5>, w4a8_rows<6>};
-  run_groups(a, M, a.Kp * kGroup / 2 + a.nblocks * kGroup * 2, rows);
+  run_groups(a, M, group_bytes, rows);
 }
 
 // =============================================================================================
