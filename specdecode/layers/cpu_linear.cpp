@@ -28,6 +28,7 @@
 #include <vector>
 #include <exception>
 #include <atomic>
+#include <utility>
 #include <cstdlib>
 
 #if defined(__SSE__)
@@ -749,6 +750,23 @@ static void amx_rows(const A& a, int64_t m0, int64_t g0, int64_t g1) {
   _tile_release();
 }
 
+// Every row and group of a call through tiles of up to kAmxRows rows; Tiles::tile<R, C> is the format's tile.
+template <typename A, typename Tiles>
+struct AmxRun {
+  template <int R>
+  static void rows(const A& a, int64_t m0, int64_t g0, int64_t g1) {
+    amx_rows<A, R, Tiles::template tile<R, amx_width(R)>, Tiles::template tile<R, 1>>(a, m0, g0, g1);
+  }
+  template <int... Rs>
+  static void run(const A& a, int64_t M, int64_t group_bytes, std::integer_sequence<int, Rs...>) {
+    static void (*const table[kAmxRows])(const A&, int64_t, int64_t, int64_t) = {rows<Rs + 1>...};
+    run_groups<A, kAmxRows>(a, M, group_bytes, table);
+  }
+  static void run(const A& a, int64_t M, int64_t group_bytes) {
+    run(a, M, group_bytes, std::make_integer_sequence<int, kAmxRows>());
+  }
+};
+
 // Rows [m0, m0 + R) x C groups from g0.
 template <int R, int C>
 static inline void w8a8_amx_tile(const W8Args& a, int64_t m0, int64_t g0) {
@@ -756,11 +774,7 @@ static inline void w8a8_amx_tile(const W8Args& a, int64_t m0, int64_t g0) {
   const int8_t* q = a.x.q + m0 * a.x.ldq;
   const int32_t* nc = a.x.ncorr + m0 * a.x.ldb;
   const float* dl = a.x.d + m0 * a.x.ldb;
-  __m512 acc[R][C];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  __m512 acc[R][C] = {};
   for (int64_t b = 0; b < a.nblocks; ++b) {
     const uint8_t* w[C];
 #pragma GCC unroll 4
@@ -782,22 +796,16 @@ static inline void w8a8_amx_tile(const W8Args& a, int64_t m0, int64_t g0) {
   w8a8_store<R, C>(a, m0, g0, acc);
 }
 
-template <int R>
-static void w8a8_amx_rows(const W8Args& a, int64_t m0, int64_t g0, int64_t g1) {
-  amx_rows<W8Args, R, w8a8_amx_tile<R, amx_width(R)>, w8a8_amx_tile<R, 1>>(a, m0, g0, g1);
-}
-
-template <int... Rs>
-struct AmxTable {
-  static constexpr void (*rows[sizeof...(Rs)])(const W8Args&, int64_t, int64_t, int64_t) = {w8a8_amx_rows<Rs>...};
+struct W8Tiles {
+  template <int R, int C>
+  static void tile(const W8Args& a, int64_t m0, int64_t g0) { w8a8_amx_tile<R, C>(a, m0, g0); }
 };
 #endif
 
 static void w8a8_run(const W8Args& a, int64_t M) {
 #if SPECDECODE_AMX
   if (M >= kAmxMinRows && amx_enabled()) {
-    using T = AmxTable<1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16>;
-    run_groups<W8Args, kAmxRows>(a, M, a.Kp * kGroup, T::rows);
+    AmxRun<W8Args, W8Tiles>::run(a, M, a.Kp * kGroup);
     return;
   }
 #endif
@@ -889,6 +897,21 @@ static inline void w4a8_store(const W4Args& a, int64_t m, int64_t n0, const floa
 }
 
 #if SPECDECODE_VNNI
+// y = acc (+ bias) for rows [m0, m0 + R) x C groups from g0: the epilogue of the VNNI and AMX tiles.
+template <int R, int C>
+static inline SPECDECODE_ALWAYS_INLINE void w4a8_store_tile(const W4Args& a, int64_t m0, int64_t g0,
+                                                            __m512 (&acc)[R][C]) {
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c) {
+    alignas(64) float out[16];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      _mm512_store_ps(out, acc[r][c]);
+      w4a8_store(a, m0 + r, (g0 + c) * kGroup, out, 16);
+    }
+  }
+}
+
 template <int R, int C>
 static inline void w4a8_tile(const W4Args& a, int64_t m0, int64_t g0) {
   __m512 acc[R][C];
@@ -942,15 +965,7 @@ static inline void w4a8_tile(const W4Args& a, int64_t m0, int64_t g0) {
         acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[r][c]), _mm512_mul_ps(d, sc[c]), acc[r][c]);
     }
   }
-#pragma GCC unroll 8
-  for (int c = 0; c < C; ++c) {
-    alignas(64) float out[16];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      _mm512_store_ps(out, acc[r][c]);
-      w4a8_store(a, m0 + r, (g0 + c) * kGroup, out, 16);
-    }
-  }
+  w4a8_store_tile<R, C>(a, m0, g0, acc);
 }
 constexpr int w4a8_width(int R) { return R <= 2 ? 4 : 2; }
 
@@ -1148,11 +1163,7 @@ static inline void w4a8_amx_tile(const W4Args& a, int64_t m0, int64_t g0) {
   const uint8_t* w[C];
 #pragma GCC unroll 4
   for (int c = 0; c < C; ++c) w[c] = bytes[c];
-  __m512 acc[R][C];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  __m512 acc[R][C] = {};
   for (int64_t b = 0; b < a.nblocks; ++b) {
     __m512 sc[C];
 #pragma GCC unroll 4
@@ -1181,25 +1192,12 @@ static inline void w4a8_amx_tile(const W4Args& a, int64_t m0, int64_t g0) {
                                     _mm512_mul_ps(d, sc[c]), acc[r][c]);
     }
   }
-#pragma GCC unroll 4
-  for (int c = 0; c < C; ++c) {
-    alignas(64) float out[16];
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      _mm512_store_ps(out, acc[r][c]);
-      w4a8_store(a, m0 + r, (g0 + c) * kGroup, out, 16);
-    }
-  }
+  w4a8_store_tile<R, C>(a, m0, g0, acc);
 }
 
-template <int R>
-static void w4a8_amx_rows(const W4Args& a, int64_t m0, int64_t g0, int64_t g1) {
-  amx_rows<W4Args, R, w4a8_amx_tile<R, amx_width(R)>, w4a8_amx_tile<R, 1>>(a, m0, g0, g1);
-}
-
-template <int... Rs>
-struct Amx4Table {
-  static constexpr void (*rows[sizeof...(Rs)])(const W4Args&, int64_t, int64_t, int64_t) = {w4a8_amx_rows<Rs>...};
+struct W4Tiles {
+  template <int R, int C>
+  static void tile(const W4Args& a, int64_t m0, int64_t g0) { w4a8_amx_tile<R, C>(a, m0, g0); }
 };
 #endif
 
@@ -1207,8 +1205,7 @@ static void w4a8_run(const W4Args& a, int64_t M) {
   const int64_t group_bytes = a.Kp * kGroup / 2 + a.nblocks * kGroup * 2;
 #if SPECDECODE_AMX
   if (M >= kAmx4MinRows && amx_enabled()) {
-    using T = Amx4Table<1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16>;
-    run_groups<W4Args, kAmxRows>(a, M, group_bytes, T::rows);
+    AmxRun<W4Args, W4Tiles>::run(a, M, group_bytes);
     return;
   }
 #endif
