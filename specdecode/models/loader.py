@@ -110,6 +110,10 @@ def load_model(path: Path, dtype: str, device: str, max_model_len: int | None,
     loaded: dict[str, torch.Tensor] = {}
     # Only linear weights take the low-precision dtype on CPU; norms and embeddings stay fp32 there.
     linear_weights = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, Linear)}
+    # A layer is fused and packed as soon as all its tensors are in, so a quantized model never holds more
+    # than about one layer at full precision (checkpoints store tensors layer by layer).
+    layer_of = {n: int(n.split(".")[1]) for n in params if n.startswith("layers.")}
+    pending = {i: {n for n, j in layer_of.items() if j == i} for i in set(layer_of.values())}
     with _progress(len(names), f"Loading {path.name}") as bar:
         for name in names:
             for ours, t in FAMILIES[fam].map_weight(name, load(name)):
@@ -121,24 +125,41 @@ def load_model(path: Path, dtype: str, device: str, max_model_len: int | None,
                                      f"implies {want}; config.json and the weights do not belong together.")
                 keep = target_dtype if (dev.type != "cpu" or ours in linear_weights) else torch.float32
                 loaded[ours] = t.to(device=dev, dtype=keep)
+                i = layer_of.get(ours)
+                if i is not None and i in pending:
+                    pending[i].discard(ours)
+                    if not pending[i]:
+                        del pending[i]
+                        _finish_layer(model, i, loaded, quantization)
             bar.update(1)
     if "lm_head.weight" not in loaded and "embed_tokens.weight" in loaded:  # tied embeddings
         loaded["lm_head.weight"] = loaded["embed_tokens.weight"].to(target_dtype)
-    missing = sorted(set(params) - set(loaded))
+    missing = sorted(n for n in params if n not in loaded and layer_of.get(n) in pending)
+    missing += sorted(n for n in params if n not in loaded and n not in layer_of)
     if missing:
         raise ValueError(f"The checkpoint at {path} lacks {len(missing)} tensors the "
                          f"{config.get('architectures')} config needs, e.g. {missing[:4]}.")
-    model.load_state_dict(loaded, strict=True, assign=True)
+    model.load_state_dict(loaded, strict=False, assign=True)  # the layers were assigned as they completed
     if model.rotary is not None:  # buffers were built on the meta device
         fresh = type(model.rotary)(args.head_dim, max(max_model_len, 1), args.rope_theta, args.rope_scaling)
         model.rotary = fresh.to(dev)
     model.eval()
-    for layer in model.layers:
-        layer.fuse_projections()
     for m in model.modules():
-        if isinstance(m, Linear):
+        if isinstance(m, Linear) and m.packed is None and m.weight is not None and m.weight.device.type != "meta":
             m.prepare(quantization)
     return LoadedModel(model, config, path, is_gguf, max_model_len)
+
+
+def _finish_layer(model: CausalLM, i: int, loaded: dict[str, torch.Tensor], quantization: str | None) -> None:
+    """Assign layer i's tensors (taken out of ``loaded``), fuse its projections and pack its linears."""
+    prefix = f"layers.{i}."
+    state = {n[len(prefix):]: loaded.pop(n) for n in [n for n in loaded if n.startswith(prefix)]}
+    layer = model.layers[i]
+    layer.load_state_dict(state, strict=True, assign=True)
+    layer.fuse_projections()
+    for m in layer.modules():
+        if isinstance(m, Linear):
+            m.prepare(quantization)
 
 
 def resolve_dtype(dtype: str, config: dict, device: str) -> torch.dtype:
