@@ -180,12 +180,16 @@ def test_bench_truncated_sharegpt_and_verify_cost(tiny_models, sharegpt_truncate
     assert "truncated" in cap.err
     r = json.loads(out.read_text())
     assert r["meta"]["dataset_format"] == "sharegpt" and r["overall"]["baseline"]["num_prompts"] == 2
+    from specdecode.layers import kernels
+    assert r["meta"]["cpu_kernel"] == kernels.describe()  # which kernel path the figures come from
+    assert r["meta"]["cpu_kernel"].startswith(kernels.kernel_info()["isa"] or "torch fallback")
 
     rc = main(["bench", "--verify-cost", "-m", str(tiny_models["llama"]), "--prefill", "16", "--repeats", "2",
                "--sizes", "2,4", "-t", "1"])
     cap = capsys.readouterr()
     assert rc == 0, cap.err
     assert "relative to 1" in cap.out
+    assert f"CPU kernel: {kernels.describe()}" in cap.out
     lines = [ln.split() for ln in cap.out.splitlines() if ln.strip() and ln.split()[0] in ("1", "2", "4")]
     assert [ln[0] for ln in lines] == ["1", "2", "4"] and lines[0][3] == "1.00x"
 

@@ -166,7 +166,8 @@ def format_report(result: dict) -> str:
             + ("greedy" if greedy else f"temperature {meta.get('temperature')}")
             + f"   threads: {meta.get('threads')}   load: {_fmt(meta.get('load_time_s'), '.1f')} s"
             + f"\nmemory bandwidth (sum of a 1 GiB buffer): {_fmt(meta.get('memory_bandwidth_gbps'), '.1f')} GB/s;"
-            " weight GB/s = linear weights streamed by decode/verify passes / decode time")
+            " weight GB/s = linear weights streamed by decode/verify passes / decode time"
+            + (f"\nCPU kernel: {meta['cpu_kernel']}" if meta.get("cpu_kernel") else ""))
     return head + "\n\n" + "\n\n".join(parts)
 
 

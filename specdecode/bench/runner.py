@@ -491,6 +491,8 @@ class BenchRunner:
     def _meta(self, ds: Dataset, used: int, skipped: list, wall: float) -> dict:
         import torch
 
+        from specdecode.layers import kernels
+
         s, eng = self.s, self.engine
         return {
             "target": str(eng.model_path), "draft": str(self.draft_path) if self.draft_path else None,
@@ -514,6 +516,7 @@ class BenchRunner:
                            "prefill time); TTFT = first token time - request time",
             "process_peak_rss_mb": _max_rss_mb(), "memory_note": MEMORY_NOTE,
             "memory_bandwidth_gbps": self.memory_bandwidth_gbps,
+            "cpu_kernel": kernels.describe() if eng.target.device.type == "cpu" else None,
             "weight_bytes": self._weight_bytes,
             "bandwidth_note": "weight GB/s = linear-layer bytes streamed by the decode/verify passes of target "
                               "and draft / decode time; memory_bandwidth_gbps = best time to sum a 1 GiB buffer",

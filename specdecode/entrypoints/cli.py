@@ -660,9 +660,7 @@ def _bench_verify_cost(args) -> int:
     print(f"target: {engine.model_path}")
     if engine.target.device.type == "cpu":
         from specdecode.layers import kernels
-        info = kernels.kernel_info()
-        print("CPU kernel: " + (f"{info['isa']}" + (", AMX tiles for w8a8 calls of 3+ rows" if info["amx"] else "")
-                                if info["available"] else "unavailable (torch fallback)"))
+        print(f"CPU kernel: {kernels.describe()}")
     print(format_verify_cost(rows, args.prefill))
     if args.output_json:
         import torch

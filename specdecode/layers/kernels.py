@@ -431,6 +431,14 @@ def kernel_info() -> dict:
             "isa": ext.isa() if ext is not None else None, "amx": amx_active(), "disabled": _disabled()}
 
 
+def describe() -> str:
+    """One line for reports: which CPU path decode and verification rows run on."""
+    info = kernel_info()
+    if not info["available"]:
+        return "torch fallback (row-invariant kernel " + ("disabled)" if info["disabled"] else "unavailable)")
+    return info["isa"] + (", AMX tiles for multi-row w8a8 / w4a8 calls" if info["amx"] else "")
+
+
 def set_amx(enabled: bool) -> bool:
     """Let w8a8 calls of two or more rows use AMX tiles (on by default where the CPU has them and the OS
     grants them; ``SPECDECODE_AMX=0`` keeps them off). The results are bitwise the same either way, so this
