@@ -440,15 +440,15 @@ def describe() -> str:
 
 
 def set_amx(enabled: bool) -> bool:
-    """Let w8a8 calls of two or more rows use AMX tiles (on by default where the CPU has them and the OS
-    grants them; ``SPECDECODE_AMX=0`` keeps them off). The results are bitwise the same either way, so this
-    only changes speed. Returns whether AMX is now in use."""
+    """Let multi-row integer calls (w8a8 from 3 rows, w4a8 from 7) use AMX tiles; on by default where the CPU
+    has them and the OS grants them, ``SPECDECODE_AMX=0`` keeps them off. The results are bitwise the same
+    either way, so this only changes speed. Returns whether AMX is now in use."""
     ext = None if _disabled() else _get_ext()
     return bool(ext.amx(int(bool(enabled)))) if ext is not None else False
 
 
 def amx_active() -> bool:
-    """Whether multi-row w8a8 calls currently run on AMX tiles."""
+    """Whether multi-row integer calls currently run on AMX tiles (see set_amx)."""
     ext = None if _disabled() else _get_ext()
     return bool(ext.amx()) if ext is not None else False
 

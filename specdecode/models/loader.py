@@ -134,8 +134,7 @@ def load_model(path: Path, dtype: str, device: str, max_model_len: int | None,
             bar.update(1)
     if "lm_head.weight" not in loaded and "embed_tokens.weight" in loaded:  # tied embeddings
         loaded["lm_head.weight"] = loaded["embed_tokens.weight"].to(target_dtype)
-    missing = sorted(n for n in params if n not in loaded and layer_of.get(n) in pending)
-    missing += sorted(n for n in params if n not in loaded and n not in layer_of)
+    missing = sorted(n for n in params if n not in loaded and (n not in layer_of or layer_of[n] in pending))
     if missing:
         raise ValueError(f"The checkpoint at {path} lacks {len(missing)} tensors the "
                          f"{config.get('architectures')} config needs, e.g. {missing[:4]}.")
@@ -145,7 +144,7 @@ def load_model(path: Path, dtype: str, device: str, max_model_len: int | None,
         model.rotary = fresh.to(dev)
     model.eval()
     for m in model.modules():
-        if isinstance(m, Linear) and m.packed is None and m.weight is not None and m.weight.device.type != "meta":
+        if isinstance(m, Linear) and m.packed is None and m.weight is not None:  # the head; layers are done
             m.prepare(quantization)
     return LoadedModel(model, config, path, is_gguf, max_model_len)
 
