@@ -650,9 +650,10 @@ static void w8a8_rows(const W8Args& a, int64_t m0, int64_t g0, int64_t g1) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// AMX (Sapphire Rapids and later): the same integers from tile instructions (w8a8 here; w4a8 below). Group g, block b of the
-// interleaved weights (8 quads x 64 bytes, contiguous) is exactly a B tile of 8 rows x 64 bytes, and
-// rows m0.. of the quantized activations at block b are an A tile of R rows x 32 bytes (stride Kp).
+// AMX (Sapphire Rapids and later): the same integers from tile instructions (w8a8 here; w4a8 below).
+// Group g, block b of the interleaved weights (8 quads x 64 bytes, contiguous) is exactly a B tile of 8 rows
+// x 64 bytes, and rows m0.. of the quantized activations at block b are an A tile of R rows x 32 bytes
+// (stride Kp).
 // TDPBSUD (signed activation bytes x unsigned weight bytes) yields the block's R x 16 integer sums
 // sum (w + 128) * q, exact; adding the block's -128 * sum(q) gives the very t_b of the VNNI path, and the
 // float epilogue is the same fma per block in the same order. So the result is bitwise that of VNNI,
@@ -1626,7 +1627,8 @@ PyObject* py_isa(PyObject*, PyObject*) {
   return PyUnicode_FromString(SPECDECODE_VNNI ? "avx512-vnni" : SPECDECODE_AVX2 ? "avx2" : "scalar");
 }
 
-// amx([on]) -> whether w8a8 calls of 2+ rows use AMX tiles (compiled in, granted by the OS and switched on).
+// amx([on]) -> whether multi-row integer calls (w8a8 from kAmxMinRows, w4a8 from kAmx4MinRows rows) use AMX
+// tiles: compiled in, granted by the OS and switched on.
 PyObject* py_amx(PyObject*, PyObject* args) {
   int on = -1;
   if (!PyArg_ParseTuple(args, "|i", &on)) return nullptr;
@@ -1641,7 +1643,7 @@ PyMethodDef kMethods[] = {
     {"decoder_layers", py_decoder_layers, METH_VARARGS, "Decoder layers for decode / verification rows"},
     {"has_avx2", py_has_avx2, METH_NOARGS, "True if compiled with AVX2/FMA intrinsics"},
     {"isa", py_isa, METH_NOARGS, "Instruction set of the W8A8 path"},
-    {"amx", py_amx, METH_VARARGS, "amx([on]): switch AMX tiles for multi-row W8A8 calls; returns whether in use"},
+    {"amx", py_amx, METH_VARARGS, "amx([on]): switch AMX tiles for multi-row W8A8 / W4A8 calls; returns whether in use"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "specdecode_cpu_linear", nullptr, -1, kMethods,
