@@ -8,7 +8,7 @@ from specdecode.config import EngineConfig
 from specdecode.engine.llm_engine import LLMEngine
 from specdecode.outputs import RequestOutput
 from specdecode.sampling_params import SamplingParams
-from specdecode.spec.metrics import SpecDecodeStats
+from specdecode.speculative.metrics import SpecDecodeStats
 from specdecode.tokenizer import apply_chat_template
 
 PromptType = str | list[int] | dict

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdecode.spec.adaptive import (PROBE_EVERY, Acceptance, CostModel, calibration_rows, choose_k,
+from specdecode.speculative.adaptive import (PROBE_EVERY, Acceptance, CostModel, calibration_rows, choose_k,
                                       expected_tokens, next_k)
 
 from helpers_spec import GREEDY, PROMPTS, gen_ids, llm_cache, noisy_drafts, one_thread  # noqa: F401

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specdecode import LLM, SamplingParams
-from specdecode.spec.draft_vocab import (TruncatedHead, builtin_ranking, draft_vocab_ids, load_token_map,
+from specdecode.speculative.draft_vocab import (TruncatedHead, builtin_ranking, draft_vocab_ids, load_token_map,
                                          ranking_fingerprint, token_frequencies, write_token_map)
 from specdecode.tokenizer import load_tokenizer
 

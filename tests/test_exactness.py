@@ -189,7 +189,7 @@ def test_default_pair_speculative_greedy_equals_plain(one_thread, quantization):
     To load the 1.5B target once, one engine serves all three runs: plain decoding is the same engine with
     its proposer removed (exactly the state of an engine built without speculation), and n-gram is the same
     engine with an n-gram proposer swapped in."""
-    from specdecode.spec.ngram import NgramProposer
+    from specdecode.speculative.ngram import NgramProposer
 
     llm = LLM(num_speculative_tokens=4, max_model_len=512, quantization=quantization,
               speculative_model_quantization="w4a8" if quantization else None)
@@ -305,7 +305,7 @@ def test_truncated_draft_vocab_keeps_greedy_exact(plain, llm_cache, tiny_models,
     come out of the target, so greedy output is unchanged."""
     import torch
 
-    from specdecode.spec.draft_model import TruncatedHead
+    from specdecode.speculative.draft_model import TruncatedHead
 
     batched, _ = plain("llama")
     llm = llm_cache.get(tiny_models["llama"], speculative_model=noisy_drafts["llama"], num_speculative_tokens=4,

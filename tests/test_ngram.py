@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from specdecode.spec.ngram import NgramProposer, ngram_lookup
+from specdecode.speculative.ngram import NgramProposer, ngram_lookup
 
 
 def longest_match(tokens: list[int], n_min: int, n_max: int) -> tuple[int, list[int]]:

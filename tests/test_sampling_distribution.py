@@ -16,10 +16,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import specdecode.spec.rejection_sampler as rs
+import specdecode.speculative.rejection_sampler as rs
 from specdecode.layers.sampler import logits_to_probs
 from specdecode.sampling_params import SamplingParams
-from specdecode.spec.rejection_sampler import rejection_sample
+from specdecode.speculative.rejection_sampler import rejection_sample
 
 from helpers_spec import llm_cache, one_thread, sharp_draft, sharp_target  # noqa: F401  (fixtures)
 
@@ -287,7 +287,7 @@ def e2e_llm_hybrid(one_thread, llm_cache, sharp_target, sharp_draft):
 
 @pytest.fixture(scope="module")
 def e2e_llm_hybrid_adaptive(one_thread, llm_cache, sharp_target, sharp_draft):
-    from specdecode.spec.adaptive import CostModel
+    from specdecode.speculative.adaptive import CostModel
 
     llm = llm_cache.get(sharp_target, speculative_model=sharp_draft, num_speculative_tokens=K_E2E,
                         max_model_len=64, max_num_seqs=16, speculative_ngram_first=True,

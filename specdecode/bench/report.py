@@ -16,7 +16,7 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING
 
-from specdecode.spec.metrics import SpecDecodeStats
+from specdecode.speculative.metrics import SpecDecodeStats
 
 if TYPE_CHECKING:
     from specdecode.bench.runner import BenchConfig, PromptRun

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 
 from specdecode.bench.datasets import Dataset
-from specdecode.spec.metrics import SpecDecodeStats
+from specdecode.speculative.metrics import SpecDecodeStats
 
 logger = logging.getLogger("specdecode")
 
@@ -321,7 +321,7 @@ class BenchRunner:
     # ---- setup ----
     def load(self) -> None:
         from specdecode.engine.llm_engine import LLMEngine
-        from specdecode.spec.ngram import NgramProposer
+        from specdecode.speculative.ngram import NgramProposer
 
         s = self.s
         need_draft = "draft" in s.methods or "hybrid" in s.methods
@@ -385,7 +385,7 @@ class BenchRunner:
     def _set_draft_head(self, cfg: BenchConfig) -> None:
         """The configs share one draft proposer; its stopping rules and LM head are the parts of a config it
         holds."""
-        from specdecode.spec.draft_vocab import draft_head_ids
+        from specdecode.speculative.draft_vocab import draft_head_ids
 
         draft = self._proposers[cfg.method].inner
         draft.p_min = cfg.p_min
@@ -395,7 +395,7 @@ class BenchRunner:
             draft.runner.model.args.vocab_size)))
 
     def _activate(self, cfg: BenchConfig) -> None:
-        from specdecode.spec.adaptive import CostModel
+        from specdecode.speculative.adaptive import CostModel
 
         self.engine.proposer = self._proposers[cfg.method]
         self.engine.config.speculative = self._spec.get(cfg.name)

@@ -21,7 +21,7 @@ from specdecode.engine.llm_engine import LLMEngine
 from specdecode.engine.scheduler import QueueFullError
 from specdecode.outputs import RequestMetrics, RequestOutput
 from specdecode.sampling_params import SamplingParams
-from specdecode.spec.metrics import SpecDecodeStats
+from specdecode.speculative.metrics import SpecDecodeStats
 
 logger = logging.getLogger("specdecode")
 

@@ -15,11 +15,11 @@ from specdecode.layers.sampler import apply_penalties, logits_to_probs, logprobs
 from specdecode.models.loader import load_model
 from specdecode.outputs import RequestOutput
 from specdecode.sampling_params import SamplingParams
-from specdecode.spec.adaptive import CostModel, calibrate, choose_k, next_k
-from specdecode.spec.metrics import SpecDecodeStats
-from specdecode.spec.ngram import ngram_lookup
-from specdecode.spec.proposer import Proposal
-from specdecode.spec.rejection_sampler import rejection_sample
+from specdecode.speculative.adaptive import CostModel, calibrate, choose_k, next_k
+from specdecode.speculative.metrics import SpecDecodeStats
+from specdecode.speculative.ngram import ngram_lookup
+from specdecode.speculative.proposer import Proposal
+from specdecode.speculative.rejection_sampler import rejection_sample
 from specdecode.tokenizer import eos_ids, load_tokenizer
 
 logger = logging.getLogger("specdecode")
@@ -55,11 +55,11 @@ class LLMEngine:
         self.proposer = None
         spec = c.speculative
         if spec is not None and spec.method == "ngram":
-            from specdecode.spec.ngram import NgramProposer
+            from specdecode.speculative.ngram import NgramProposer
             self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         elif spec is not None:
-            from specdecode.spec.draft_model import DraftModelProposer
-            from specdecode.spec.draft_vocab import draft_head_ids
+            from specdecode.speculative.draft_model import DraftModelProposer
+            from specdecode.speculative.draft_vocab import draft_head_ids
             draft_path = resolve_model(None if spec.model == "default" else spec.model, "draft")
             draft = load_model(draft_path, c.dtype, c.device, self.max_model_len, c.draft_quantization())
             check_draft_compatible(self.tokenizer, load_tokenizer(draft_path, draft.is_gguf),

@@ -8,7 +8,7 @@ import torch
 
 from specdecode.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from specdecode.sampling_params import SamplingParams
-from specdecode.spec.adaptive import Acceptance
+from specdecode.speculative.adaptive import Acceptance
 from specdecode.tokenizer import IncrementalDetokenizer
 
 

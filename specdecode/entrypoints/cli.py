@@ -568,7 +568,7 @@ def cmd_token_map(args) -> int:
     """Count token frequencies in a text corpus and write them as a token map (for --draft-vocab-size)."""
     from specdecode.bench.datasets import corpus_texts
     from specdecode.models.resolve import resolve_model
-    from specdecode.spec.draft_vocab import token_frequencies, write_token_map
+    from specdecode.speculative.draft_vocab import token_frequencies, write_token_map
     from specdecode.tokenizer import load_tokenizer
 
     out = Path(args.output).expanduser()

@@ -40,7 +40,7 @@ from specdecode.entrypoints.openai.protocol import (ChatChoice, ChatCompletionCh
                                                     TokenLogprob, TopLogprob, UsageInfo)
 from specdecode.outputs import CompletionOutput, RequestOutput
 from specdecode.sampling_params import SamplingParams
-from specdecode.spec.metrics import SpecDecodeStats
+from specdecode.speculative.metrics import SpecDecodeStats
 from specdecode.tokenizer import apply_chat_template
 
 logger = logging.getLogger("specdecode.server")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specdecode.spec.proposer import Proposal
+from specdecode.speculative.proposer import Proposal
 
 
 def ngram_lookup(tokens: list[int] | np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:

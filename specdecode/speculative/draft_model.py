@@ -7,8 +7,8 @@ import torch
 
 from specdecode.engine.model_runner import ModelRunner
 from specdecode.layers.sampler import argmax, logits_to_probs, sample
-from specdecode.spec.draft_vocab import TruncatedHead
-from specdecode.spec.proposer import Proposal
+from specdecode.speculative.draft_vocab import TruncatedHead
+from specdecode.speculative.proposer import Proposal
 
 
 class DraftModelProposer:
