@@ -1,25 +1,30 @@
-"""The one configuration object: every user-facing knob is validated here, once.
+"""The configuration objects, validated once: ``EngineConfig`` and its ``SpeculativeConfig``.
 
-Accepts vLLM's legacy keywords (speculative_model=..., num_speculative_tokens=...), vLLM's current
-``speculative_config={...}`` dict and SGLang's names, and normalises them to ``SpeculativeConfig``.
+Keyword arguments reach them through ``EngineConfig.from_kwargs``: the option table (``specdecode.options``)
+maps every accepted spelling (vLLM's current ``speculative_config={...}`` and legacy keywords, SGLang's names)
+to one name, and the preset (``specdecode.presets``) fills what the user leaves unset.
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
-import os
-from dataclasses import dataclass, field, fields
+import math
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from specdecode import presets
+from specdecode.options import (DTYPES, MAX_SPEC_TOKENS, NGRAM_MODELS, NO_DRAFT, QUANTIZATIONS, SPEC_METHODS,
+                                parse_method, speculative_fields, split_kwargs)
+
 logger = logging.getLogger("specdecode")
 
-SPEC_METHODS = ("draft_model", "ngram")
 # Shortest n-gram that counts as a match. Plain n-gram drafting takes any match (a draft is free, and there
-# is nothing else to propose); with ngram_first a match replaces the draft model's proposal, and on
-# Spec-Bench 1- and 2-token matches predict the next token far less often (about 5-40% and 20-60%) than
-# the default draft does (about 70%), 3- and 4-token matches about as often or more.
+# is nothing else to propose); with ngram_first a match replaces the draft model's proposal, and 1- and
+# 2-token matches predict the next token far less often than the draft model does (docs/benchmarks.md),
+# 3- and 4-token matches about as often or more.
 NGRAM_MIN_DEFAULT = {"ngram": 1, "ngram_first": 3}
-MAX_SPEC_TOKENS = 16
+QUANTIZATION_CHOICES = [q for q in QUANTIZATIONS if q != "auto"]  # weight formats, for messages
 
 
 def default_lookup_min(ngram_first: bool, lookup_max: Any) -> int:
@@ -27,13 +32,9 @@ def default_lookup_min(ngram_first: bool, lookup_max: Any) -> int:
     default = NGRAM_MIN_DEFAULT["ngram_first" if ngram_first else "ngram"]
     return min(default, lookup_max) if isinstance(lookup_max, int) and lookup_max >= 1 else default
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = (None, "none", "int8", "w8a8", "w4a8")
-QUANTIZATION_CHOICES = [q for q in QUANTIZATIONS if q]  # for command-line flags
 
-
-def _err(msg: str) -> ValueError:
-    return ValueError(msg)
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass
@@ -56,14 +57,16 @@ class SpeculativeConfig:
     # Draft model only: score just N frequent tokens in the draft's LM head, plus special tokens and the tokens
     # of each request's own context (speculative/draft_vocab.py). Frequent means the first N of token_map, else of
     # the ranking shipped for this tokenizer, else the N lowest ids (a BPE vocabulary's earliest merges).
+    # "auto": the preset's N where a ranking is known for the tokenizer, else the full head.
     # The head is a large share of a small draft's weights; drafts stay exact proposals, so output is
     # unchanged, only acceptance may dip.
-    draft_vocab_size: int | None = None
+    draft_vocab_size: int | str | None = None
     # Draft model only: a file of token ids, most frequent first (SGLang's speculative_token_map): JSON, or a
     # .pt tensor. Alone it keeps all its ids; with draft_vocab_size, the first N.
     token_map: str | None = None
     # Draft model only: its own weight format (vLLM's speculative_model_quantization). None: the target's;
-    # "none": unquantized whatever the target uses.
+    # "none": unquantized whatever the target uses; "auto": resolved by EngineConfig (the preset's draft
+    # format when the target is quantized, else the target's).
     # A draft's precision only moves the acceptance rate, never the output, so "w4a8" (half the bytes of
     # w8a8) is usually the cheapest draft on a CPU.
     quantization: str | None = None
@@ -75,6 +78,18 @@ class SpeculativeConfig:
     # prompt_lookup_num_tokens). A looked-up draft costs no draft-model pass, so inside a copied span it
     # pays to go deeper than the draft model does; with adaptive, k still follows each kind's acceptance.
     prompt_lookup_num_tokens: int | None = None
+    # Suffix decoding (method "suffix"), vLLM's names and defaults: the index's deepest match, the earlier
+    # requests it keeps, the draft length as a multiple of the match length, and the lowest estimated
+    # probability a drafted token may have.
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+
+    @property
+    def uses_draft_model(self) -> bool:
+        """draft_model, or suffix decoding with a draft model (suffix matches first, as ngram_first)."""
+        return self.method == "draft_model" or (self.method == "suffix" and bool(self.model))
 
     @property
     def lookup_k(self) -> int:
@@ -84,96 +99,181 @@ class SpeculativeConfig:
     @property
     def max_k(self) -> int:
         """The most tokens any step drafts, whichever kind drafts them."""
-        return max(self.num_speculative_tokens, self.lookup_k if self.ngram_first else 0)
+        hybrid = self.ngram_first or (self.method == "suffix" and self.uses_draft_model)
+        return max(self.num_speculative_tokens, self.lookup_k if hybrid else 0)
+
+    def head_size(self, ranking_known: bool) -> int | None:
+        """The draft head's size: draft_vocab_size, with "auto" resolved (the preset's size where a frequency
+        ranking is known for the tokenizer, else None: the full head)."""
+        if self.draft_vocab_size == "auto":
+            return presets.DEFAULT.draft_vocab_size if ranking_known else None
+        return self.draft_vocab_size
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
-            raise _err(f"Unknown speculative method {self.method!r}; valid methods are: "
-                       f"{', '.join(SPEC_METHODS)} (or pass speculative_model='[ngram]' / a draft model path).")
+            self.method = parse_method(self.method)  # other spellings; raises for unknown ones
+            if self.method not in SPEC_METHODS:
+                raise ValueError("method 'none' means no speculation: pass speculative_config=None "
+                                 "(SpeculativeConfig describes a speculative method).")
+        if self.method == "suffix" and importlib.util.find_spec("specdecode.speculative.suffix") is None:
+            raise ValueError("speculative method 'suffix' is not available in this build; use ngram or draft_model.")
         k = self.num_speculative_tokens
-        if not isinstance(k, int) or isinstance(k, bool) or not (1 <= k <= MAX_SPEC_TOKENS):
-            raise _err(f"num_speculative_tokens must be an integer in 1..{MAX_SPEC_TOKENS}, got {k!r}: "
-                       "k=0 would draft nothing (just drop the speculative settings to disable speculation), "
-                       f"and beyond {MAX_SPEC_TOKENS} the chance that every draft is accepted is so small that "
-                       "the extra verification work is wasted.")
+        if not _is_int(k) or not (1 <= k <= MAX_SPEC_TOKENS):
+            raise ValueError(f"num_speculative_tokens must be an integer in 1..{MAX_SPEC_TOKENS}, got {k!r}: "
+                             "k=0 would draft nothing (pass method 'none' / --spec-type none to disable speculation), "
+                             f"and beyond {MAX_SPEC_TOKENS} the chance that every draft is accepted is so small that "
+                             "the extra verification work is wasted.")
         if self.prompt_lookup_min is None:
             self.prompt_lookup_min = default_lookup_min(self.ngram_first, self.prompt_lookup_max)
         if self.method == "ngram" or self.ngram_first:
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-            if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
-                raise _err(f"ngram lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, got min={lo!r}, max={hi!r}.")
+            if not (_is_int(lo) and _is_int(hi) and 1 <= lo <= hi):
+                raise ValueError(f"ngram lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, got min={lo!r}, "
+                                 f"max={hi!r}.")
         if self.method == "draft_model" and not self.model:
-            raise _err("speculative method 'draft_model' needs a draft model: pass speculative_model=PATH "
-                       "(an HF directory or a .gguf file), or speculative_model='[ngram]' for n-gram lookup.")
-        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
-            raise _err(f"speculative_disable_by_batch_size must be >= 1, got {self.disable_by_batch_size!r}.")
-        if not (0.0 <= self.draft_p_min < 1.0):
-            raise _err(f"draft_p_min must be in [0, 1), got {self.draft_p_min!r}.")
-        c = self.draft_confidence
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not (0.0 <= c < 1.0):
-            raise _err(f"draft_confidence must be a number in [0, 1) (e.g. 0.3; 0 turns it off), got {c!r}.")
-        if c and self.method != "draft_model":
-            raise _err("draft_confidence stops a draft model by its own probabilities; n-gram drafts have none.")
+            raise ValueError("speculative method 'draft_model' needs a draft model: pass speculative_model=PATH "
+                             "(an HF directory or a .gguf file), or speculative_model='[ngram]' for n-gram lookup.")
+        if self.disable_by_batch_size is not None and (not _is_int(self.disable_by_batch_size)
+                                                       or self.disable_by_batch_size < 1):
+            raise ValueError(f"speculative_disable_by_batch_size must be an integer >= 1, got "
+                             f"{self.disable_by_batch_size!r}.")
+        for name in ("draft_p_min", "draft_confidence"):
+            c = getattr(self, name)
+            if isinstance(c, bool) or not isinstance(c, (int, float)) or not (0.0 <= c < 1.0):
+                raise ValueError(f"{name} must be a number in [0, 1) (e.g. 0.3; 0 turns it off), got {c!r}.")
+        if self.draft_confidence and not self.uses_draft_model:
+            raise ValueError("draft_confidence stops a draft model by its own probabilities; n-gram drafts have none.")
+        for name in ("adaptive", "ngram_first"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         v = self.draft_vocab_size
         if v is not None:
-            if self.method != "draft_model":
-                raise _err("draft_vocab_size only applies to a draft model (n-gram drafts need no LM head).")
-            if not isinstance(v, int) or isinstance(v, bool) or v < 256:
-                raise _err(f"draft_vocab_size must be an integer >= 256 (e.g. 32768), got {v!r}.")
+            if not self.uses_draft_model:
+                raise ValueError("draft_vocab_size only applies to a draft model (n-gram drafts need no LM head).")
+            if v != "auto" and (not _is_int(v) or v < 256):
+                raise ValueError(f"draft_vocab_size must be 'auto' or an integer >= 256 (e.g. 32768), got {v!r}.")
         if self.token_map is not None:
-            if self.method != "draft_model":
-                raise _err("token_map only applies to a draft model (n-gram drafts need no LM head).")
+            if not self.uses_draft_model:
+                raise ValueError("token_map only applies to a draft model (n-gram drafts need no LM head).")
             if not isinstance(self.token_map, (str, Path)) or not Path(self.token_map).is_file():
-                raise _err(f"token_map must be the path of an existing file, got {self.token_map!r}.")
+                raise ValueError(f"token_map must be the path of an existing file, got {self.token_map!r}.")
         if self.ngram_first and self.method != "draft_model":
-            raise _err("ngram_first combines prompt lookup with a draft model; with method 'ngram' there is none.")
+            raise ValueError("ngram_first combines prompt lookup with a draft model; with method "
+                             f"{self.method!r} there is none.")
         n = self.prompt_lookup_num_tokens
         if n is not None:
-            if not self.ngram_first:
-                raise _err("prompt_lookup_num_tokens caps the lookups of ngram_first (prompt lookup before a draft "
-                           "model); with method 'ngram' num_speculative_tokens is the cap.")
-            if not isinstance(n, int) or isinstance(n, bool) or not (1 <= n <= MAX_SPEC_TOKENS):
-                raise _err(f"prompt_lookup_num_tokens must be an integer in 1..{MAX_SPEC_TOKENS}, got {n!r}.")
+            if not (self.ngram_first or (self.method == "suffix" and self.uses_draft_model)):
+                raise ValueError("prompt_lookup_num_tokens caps the lookups of ngram_first (prompt lookup before a "
+                                 "draft model); with method 'ngram' num_speculative_tokens is the cap.")
+            if not _is_int(n) or not (1 <= n <= MAX_SPEC_TOKENS):
+                raise ValueError(f"prompt_lookup_num_tokens must be an integer in 1..{MAX_SPEC_TOKENS}, got {n!r}.")
         if self.quantization is not None:
-            if self.method != "draft_model":
-                raise _err("speculative quantization only applies to a draft model (n-gram drafting has none).")
+            if not self.uses_draft_model:
+                raise ValueError("speculative quantization only applies to a draft model (n-gram drafting has none).")
             if self.quantization not in QUANTIZATIONS:
-                raise _err(f"speculative quantization must be one of {', '.join(q for q in QUANTIZATIONS if q)}, "
-                           f"got {self.quantization!r}.")
+                raise ValueError(f"speculative quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                                 f"got {self.quantization!r}.")
+        for name, lo in (("suffix_decoding_max_tree_depth", 1), ("suffix_decoding_max_cached_requests", 0)):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < lo:
+                raise ValueError(f"{name} must be an integer >= {lo}, got {getattr(self, name)!r}.")
+        f, p = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not f > 0:
+            raise ValueError(f"suffix_decoding_max_spec_factor must be a number > 0, got {f!r}.")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+            raise ValueError(f"suffix_decoding_min_token_prob must be a number in [0, 1], got {p!r}.")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
-        d = dict(d)
-        aliases = {"draft_model": "model", "num_draft_tokens": "num_speculative_tokens",
-                   "ngram_prompt_lookup_max": "prompt_lookup_max", "ngram_prompt_lookup_min": "prompt_lookup_min",
-                   "speculative_disable_by_batch_size": "disable_by_batch_size",
-                   "speculative_model_quantization": "quantization", "speculative_token_map": "token_map"}
-        for old, new in aliases.items():
-            if old in d and new not in d:
-                d[new] = d.pop(old)
-        if d.get("model") in ("[ngram]", "ngram"):
-            d["model"] = None
-            d.setdefault("method", "ngram")
-        if d.get("method") == "draft":
-            d["method"] = "draft_model"
-        if d.get("method") is None:
-            d["method"] = "draft_model" if d.get("model") else "ngram"
-        if d["method"] == "ngram":
-            d["model"] = None
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise _err(f"Unknown speculative_config keys {unknown}; valid keys are {sorted(known)}.")
-        return cls(**d)
+        """vLLM's ``speculative_config`` dict as given (aliases resolved; no preset). '[ngram]' as the model means
+        n-gram lookup; with neither a model nor a method, n-gram lookup."""
+        fields_ = speculative_fields(d)
+        model = fields_.get("model")
+        if isinstance(model, str) and model.strip().lower() in NGRAM_MODELS:
+            fields_.pop("model")
+            fields_.setdefault("method", "ngram")
+        fields_.setdefault("method", "draft_model" if fields_.get("model") else "ngram")
+        if fields_["method"] not in ("draft_model", "suffix"):  # suffix decoding may run with a draft model
+            fields_.pop("model", None)
+        return cls(**fields_)
+
+
+def resolve_speculative(given: dict[str, Any], default_target: bool, from_dict: bool = False,
+                        preset: presets.Preset = presets.DEFAULT) -> SpeculativeConfig | None:
+    """The speculative config for the fields a user gave (None: no speculation).
+
+    The method: "none" (or a draft named none/off) turns speculation off; '[ngram]' as the draft means prompt
+    lookup; a draft model means draft_model; the built-in target with nothing given gets the built-in draft.
+    The preset's policy (adaptive k, prompt lookup before the draft model, lookups up to 12) applies when k
+    (num_speculative_tokens) is left unset; giving k fixes it and asks for exactly the named method, as in vLLM.
+    The draft's weight format and truncated head follow the preset unless given."""
+    spec = dict(given)
+    method = spec.pop("method", None)
+    model = spec.get("model")
+    if isinstance(model, str) and model.strip().lower() in NO_DRAFT + NGRAM_MODELS:
+        named = "none" if model.strip().lower() in NO_DRAFT else "ngram"
+        if method is not None and method != named:
+            raise ValueError(f"speculative model {model!r} and method {method!r} disagree; pass one of them.")
+        method = named
+        spec.pop("model")
+    if method == "none":
+        return None
+    if method is None:
+        if "model" in spec:
+            method = "draft_model"
+        elif from_dict:
+            method = "ngram"  # vLLM: a speculative_config without a draft model is n-gram lookup
+        elif default_target:
+            method = "draft_model"
+        elif spec:
+            raise ValueError(f"speculative options {sorted(spec)} were given without a draft: pass "
+                             "speculative_model=PATH (-md DRAFT), or speculative_model='[ngram]' (--spec-type ngram) "
+                             "for prompt lookup.")
+        else:
+            return None  # a user's target and nothing speculative: plain decoding, as in vLLM and llama.cpp
+    if method == "draft_model" and "model" not in spec and default_target:
+        spec["model"] = "default"
+    if "num_speculative_tokens" not in spec:
+        spec["num_speculative_tokens"] = (preset.num_speculative_tokens if method == "draft_model"
+                                          else preset.lookup_tokens)
+        spec.setdefault("adaptive", preset.adaptive)
+        if method == "draft_model":
+            spec.setdefault("ngram_first", preset.ngram_first)
+            if spec["ngram_first"]:
+                spec.setdefault("prompt_lookup_num_tokens", preset.lookup_tokens)
+    if method == "draft_model" or (method == "suffix" and spec.get("model")):
+        spec.setdefault("quantization", "auto")
+        if spec.get("draft_vocab_size") in (0, "0", "none", "full"):
+            spec["draft_vocab_size"] = None  # given: the full head
+        elif "token_map" not in spec:
+            spec.setdefault("draft_vocab_size", "auto")
+    return SpeculativeConfig(method=method, **spec)
+
+
+def checkpoint_bytes(model: str | None, role: str) -> float | None:
+    """Bytes of a model's weights on disk (inf for the built-in pair, None when not found)."""
+    if model is None or str(model).strip() in ("", "default"):
+        return math.inf
+    path = Path(str(model)).expanduser()
+    if not path.exists():
+        try:
+            from specdecode.models.resolve import resolve_model
+            path = resolve_model(model, role)
+        except ValueError:
+            return None
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.iterdir()
+               if p.is_file() and p.suffix in (".safetensors", ".bin", ".gguf", ".pt", ".pth"))
 
 
 @dataclass
 class EngineConfig:
 
     model: str | None = None  # None: the embedded default target
-    tokenizer: str | None = None
     dtype: str = "auto"
-    quantization: str | None = None  # None: keep weights as loaded; "int8": per-channel int8 weight-only
+    # "auto": the preset's integer formats on CPU for checkpoints large enough to gain from them, full
+    # precision otherwise; None or "none": full precision; "int8": per-channel int8 weight-only; "w8a8", "w4a8".
+    quantization: str | None = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 8
     seed: int = 0
@@ -185,34 +285,59 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
-            raise _err(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}.")
-        if self.quantization == "none":
-            self.quantization = None
-        if self.quantization not in QUANTIZATIONS:
-            raise _err(f"quantization must be 'int8' (int8 weights), 'w8a8' (int8 weights and activations), "
-                       f"'w4a8' (4-bit weights, int8 activations) or None, got {self.quantization!r}.")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
-            raise _err(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}.")
-        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
-            raise _err(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}.")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise _err(f"num_threads must be >= 1, got {self.num_threads!r}.")
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}.")
+        if self.quantization not in (None,) + QUANTIZATIONS:
+            raise ValueError(f"quantization must be 'auto', 'none', 'int8' (int8 weights), 'w8a8' (int8 weights and "
+                             f"activations) or 'w4a8' (4-bit weights, int8 activations), got {self.quantization!r}.")
+        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}.")
+        if not _is_int(self.max_num_seqs) or self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}.")
+        if self.num_threads is not None and (not _is_int(self.num_threads) or self.num_threads < 1):
+            raise ValueError(f"num_threads must be an integer >= 1, got {self.num_threads!r}.")
+        if not _is_int(self.max_waiting_requests) or self.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be an integer >= 1, got {self.max_waiting_requests!r}.")
         if not isinstance(self.compile, bool):
-            raise _err(f"compile must be True or False, got {self.compile!r}.")
+            raise ValueError(f"compile must be True or False, got {self.compile!r}.")
         if self.device == "auto":
             import torch
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device.startswith("cuda"):
             import torch
             if not torch.cuda.is_available():
-                raise _err(f"device={self.device!r} was requested but CUDA is not available; use device='cpu'.")
+                raise ValueError(f"device={self.device!r} was requested but CUDA is not available; use device='cpu'.")
+        self._resolve_weight_formats(presets.DEFAULT)
         draft_q = self.speculative.quantization if self.speculative is not None else None
         if draft_q not in (None, "none") and self.device != "cpu":
-            raise _err(f"speculative quantization={draft_q!r} uses this package's CPU kernels and is not available "
-                       f"on device={self.device!r}; on a GPU use dtype='bfloat16' or 'float16' instead.")
+            raise ValueError(f"speculative quantization={draft_q!r} uses this package's CPU kernels and is not "
+                             f"available on device={self.device!r}; on a GPU use dtype='bfloat16' or 'float16' "
+                             "instead.")
         if self.quantization is not None and self.device != "cpu":
-            raise _err(f"quantization={self.quantization!r} uses this package's CPU kernels and is not available "
-                       f"on device={self.device!r}; on a GPU use dtype='bfloat16' or 'float16' instead.")
+            raise ValueError(f"quantization={self.quantization!r} uses this package's CPU kernels and is not "
+                             f"available on device={self.device!r}; on a GPU use dtype='bfloat16' or 'float16' "
+                             "instead.")
+
+    def _resolve_weight_formats(self, preset: presets.Preset) -> None:
+        """'auto' -> concrete formats: the preset's on CPU for checkpoints of at least preset.quantize_min_bytes
+        (an explicit dtype means float weights of that dtype); on a GPU, the preset's dtype."""
+        on_cpu = self.device == "cpu"
+        if self.dtype == "auto" and not on_cpu:
+            self.dtype = preset.cuda_dtype
+
+        def big(model: str | None, role: str) -> bool:
+            size = checkpoint_bytes(model, role)
+            return size is not None and size >= preset.quantize_min_bytes
+
+        if self.quantization == "auto":
+            auto_ok = on_cpu and self.dtype == "auto"
+            self.quantization = preset.target_quantization if auto_ok and big(self.model, "target") else None
+        elif self.quantization == "none":
+            self.quantization = None
+        spec = self.speculative
+        if spec is not None and spec.quantization == "auto":
+            # A quantized target gets the preset's draft format; otherwise the draft follows the target.
+            big_draft = self.quantization is not None and big(spec.model, "draft")
+            spec.quantization = preset.draft_quantization if big_draft else None
 
     def draft_quantization(self) -> str | None:
         """The weight format the draft model loads with."""
@@ -222,56 +347,21 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kw: Any) -> "EngineConfig":
-        """Build from vLLM-style keyword arguments (legacy or current speculative form)."""
-        spec_dict: dict[str, Any] | None = None
-        sc = kw.pop("speculative_config", None)
-        legacy = {k: kw.pop(k) for k in ("speculative_model", "num_speculative_tokens",
-                                         "ngram_prompt_lookup_max", "ngram_prompt_lookup_min",
-                                         "speculative_disable_by_batch_size", "speculative_draft_p_min",
-                                         "speculative_draft_confidence",
-                                         "speculative_adaptive", "speculative_draft_vocab_size",
-                                         "speculative_model_quantization", "speculative_ngram_first",
-                                         "speculative_token_map", "prompt_lookup_num_tokens") if k in kw}
-        if sc is not None and legacy:
-            raise _err("Pass either speculative_config={...} or the legacy speculative_* keywords, not both.")
+        """Build from keyword arguments in any accepted spelling (see ``specdecode.options``); the preset fills
+        what is not given."""
+        engine, spec, sc = split_kwargs(kw)
+        if sc is not None and spec:
+            raise ValueError("Pass either speculative_config={...} or the legacy speculative_* keywords, not both.")
+        default_target = engine.get("model") in (None, "", "default")
         if isinstance(sc, SpeculativeConfig):
-            spec = sc
+            speculative = sc
         else:
-            if sc is not None:
-                if not isinstance(sc, dict):
-                    raise _err("speculative_config must be a dict such as "
-                               "{'method': 'ngram', 'num_speculative_tokens': 4}.")
-                spec_dict = dict(sc)
-            elif legacy:
-                spec_dict = {"model": legacy.get("speculative_model")}
-                for src, dst in (("num_speculative_tokens", "num_speculative_tokens"),
-                                 ("ngram_prompt_lookup_max", "prompt_lookup_max"),
-                                 ("ngram_prompt_lookup_min", "prompt_lookup_min"),
-                                 ("speculative_disable_by_batch_size", "disable_by_batch_size"),
-                                 ("speculative_draft_p_min", "draft_p_min"),
-                                 ("speculative_draft_confidence", "draft_confidence"),
-                                 ("speculative_adaptive", "adaptive"),
-                                 ("speculative_draft_vocab_size", "draft_vocab_size"),
-                                 ("speculative_model_quantization", "quantization"),
-                                 ("speculative_ngram_first", "ngram_first"),
-                                 ("speculative_token_map", "token_map"),
-                                 ("prompt_lookup_num_tokens", "prompt_lookup_num_tokens")):
-                    if legacy.get(src) is not None:
-                        spec_dict[dst] = legacy[src]
-                if spec_dict.get("model") is None:
-                    raise _err("num_speculative_tokens was given without speculative_model; pass "
-                               "speculative_model=PATH or speculative_model='[ngram]'.")
-            spec = SpeculativeConfig.from_dict(spec_dict) if spec_dict is not None else None
-        kw.pop("trust_remote_code", None)  # accepted for vLLM compatibility; nothing remote is ever run
-        kw.pop("enforce_eager", None)
-        if "threads" in kw:
-            kw["num_threads"] = kw.pop("threads")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kw) - known)
-        if unknown:
-            raise _err(f"Unknown engine arguments {unknown}; valid ones are {sorted(known - {'speculative'})} "
-                       "plus speculative_model, num_speculative_tokens, speculative_config.")
-        return cls(speculative=spec, **kw)
+            if sc is not None and not isinstance(sc, dict):
+                raise ValueError("speculative_config must be a dict such as "
+                                 "{'method': 'ngram', 'num_speculative_tokens': 4}.")
+            given = speculative_fields(sc) if sc is not None else spec
+            speculative = resolve_speculative(given, default_target, from_dict=sc is not None)
+        return cls(speculative=speculative, **engine)
 
 
 def check_draft_compatible(target_tok, draft_tok, target_params: int, draft_params: int,
@@ -281,17 +371,14 @@ def check_draft_compatible(target_tok, draft_tok, target_params: int, draft_para
     if tv != dv:
         only_t = len(set(tv.items()) - set(dv.items()))
         only_d = len(set(dv.items()) - set(tv.items()))
-        raise _err(f"The draft model's tokenizer does not match the target's ({only_t} target and {only_d} draft "
+        raise ValueError(f"The draft model's tokenizer does not match the target's ({only_t} target and {only_d} draft "
                    f"vocabulary entries differ; sizes {len(tv)} vs {len(dv)}). Speculative decoding needs the same "
                    "tokenizer: pick a draft from the same model family, or use speculative_model='[ngram]'.")
     # Embedding rows beyond the tokenizer's vocabulary are padding and may differ between the two.
     if min(target_vocab, draft_vocab) < len(tv):
-        raise _err(f"A model's embedding table ({min(target_vocab, draft_vocab)} rows) is smaller than the "
+        raise ValueError(f"A model's embedding table ({min(target_vocab, draft_vocab)} rows) is smaller than the "
                    f"tokenizer vocabulary ({len(tv)}).")
     if draft_params > target_params:
         logger.warning("The draft model (%.1fM parameters) is larger than the target (%.1fM parameters); "
                        "speculation will be slower than plain decoding.", draft_params / 1e6, target_params / 1e6)
 
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").lower() in ("1", "true", "yes")

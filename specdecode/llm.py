@@ -12,16 +12,17 @@ from specdecode.speculative.metrics import SpecDecodeStats
 from specdecode.tokenizer import apply_chat_template
 
 PromptType = str | list[int] | dict
+SGLANG_MAX_NEW_TOKENS = 128  # SGLang's default max_new_tokens
 
 
 class LLM:
-    """``LLM(model=..., speculative_model=DRAFT or "[ngram]", num_speculative_tokens=k, ...)``.
+    """vLLM's offline entry point: ``LLM(model=..., speculative_config={...} or speculative_model=..., ...)``.
 
-    With no model at all, the embedded default pair is used (Qwen2.5-Coder 1.5B target, 0.5B draft)."""
+    Every keyword in any accepted spelling is listed by ``specdecode options`` (docs/options.md). What is not
+    given comes from the ``fast`` preset (specdecode/presets.py): with no model at all, the embedded default pair
+    (Qwen2.5-Coder 1.5B target, 0.5B draft) with int8 weights and adaptive hybrid speculation."""
 
     def __init__(self, model: str | None = None, **kwargs: Any):
-        if model is None and "speculative_model" not in kwargs and "speculative_config" not in kwargs:
-            kwargs.update(speculative_model="default", num_speculative_tokens=kwargs.pop("num_speculative_tokens", 4))
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
         self.engine = LLMEngine(self.config)
         self._next_id = 0
@@ -99,26 +100,17 @@ class LLM:
 
 
 class Engine:
-    """SGLang-style: ``Engine(model_path, speculative_draft_model_path, speculative_num_draft_tokens)``."""
+    """SGLang's offline entry point: ``Engine(model_path, speculative_draft_model_path=...,
+    speculative_num_draft_tokens=k + 1, ...)``; SGLang's option names map through the option table."""
 
-    def __init__(self, model_path: str | None = None, speculative_draft_model_path: str | None = None,
-                 speculative_num_draft_tokens: int | None = None, speculative_algorithm: str | None = None,
-                 **kwargs: Any):
-        if speculative_algorithm and speculative_algorithm.upper() == "NGRAM":
-            speculative_draft_model_path = "[ngram]"
-        if speculative_draft_model_path:
-            kwargs["speculative_model"] = speculative_draft_model_path
-            kwargs["num_speculative_tokens"] = speculative_num_draft_tokens or 4
-        for ours, theirs in (("max_model_len", "context_length"), ("seed", "random_seed"),
-                             ("max_num_seqs", "max_running_requests")):
-            if theirs in kwargs:
-                kwargs[ours] = kwargs.pop(theirs)
+    def __init__(self, model_path: str | None = None, **kwargs: Any):
         self.llm = LLM(model_path, **kwargs)
 
     def generate(self, prompt: str | list[str], sampling_params: dict | None = None) -> dict | list[dict]:
         sp = dict(sampling_params or {})
         if "max_new_tokens" in sp:
             sp["max_tokens"] = sp.pop("max_new_tokens")
+        sp.setdefault("max_tokens", SGLANG_MAX_NEW_TOKENS)
         if "stop_token_ids" in sp and sp["stop_token_ids"] is None:
             sp.pop("stop_token_ids")
         outs = self.llm.generate(prompt, SamplingParams(**sp), use_tqdm=False)

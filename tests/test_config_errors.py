@@ -262,8 +262,9 @@ def test_sglang_engine(one_thread, llm_cache, tiny_models, tiny_draft):
     prompts = ["The quick brown fox", "def add(a, b):\n", "Once upon a time"]
     want = [o.outputs[0].text for o in llm_cache.get(tiny_models["llama"]).generate(
         prompts, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)]
+    # SGLang's speculative_num_draft_tokens counts the verified token: 4 means k = 3 drafted tokens.
     eng = Engine(model_path=str(tiny_models["llama"]), speculative_draft_model_path=str(tiny_draft),
-                 speculative_num_draft_tokens=3)
+                 speculative_num_draft_tokens=4)
     assert eng.llm.config.speculative.method == "draft_model"
     assert eng.llm.config.speculative.num_speculative_tokens == 3
     outs = eng.generate(prompts, {"temperature": 0, "max_new_tokens": 10})

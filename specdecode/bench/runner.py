@@ -333,12 +333,15 @@ class BenchRunner:
         hybrid_min = s.ngram_min or default_lookup_min(True, s.ngram_max)
         self._ngram_mins = {"ngram": ngram_min, "hybrid": hybrid_min}
         if need_draft:
+            # k given: a fixed-k config (no preset policy); 0: the full draft head, each config sets its own.
             kw.update(speculative_model=s.draft_model or "default", num_speculative_tokens=kmax,
-                      speculative_token_map=s.token_map,
+                      speculative_token_map=s.token_map, speculative_draft_vocab_size=0,
                       speculative_model_quantization=s.draft_quantization)
         elif "ngram" in s.methods:
             kw.update(speculative_model="[ngram]", num_speculative_tokens=kmax,
                       ngram_prompt_lookup_min=ngram_min, ngram_prompt_lookup_max=s.ngram_max)
+        else:
+            kw.update(speculative_method="none")  # no preset draft for configs that need none
         eng = self.engine = LLMEngine.from_kwargs(**kw)
         target_mb = module_bytes(eng.target.model) / 2**20
         self._weight_bytes = {"target": linear_weight_bytes(eng.target.model)}

@@ -98,7 +98,10 @@ def draft_head_ids(spec, tokenizer, eos_token_ids: set[int], vocab: int) -> torc
         return None
     ranking = (load_token_map(spec.token_map, tokenizer, vocab) if spec.token_map is not None
                else builtin_ranking(tokenizer, vocab))
-    return draft_vocab_ids(tokenizer, eos_token_ids, spec.draft_vocab_size, vocab, ranking)
+    size = spec.head_size(ranking is not None)  # "auto": truncate only where a ranking is known
+    if size is None and spec.token_map is None:
+        return None
+    return draft_vocab_ids(tokenizer, eos_token_ids, size, vocab, ranking)
 
 
 def token_frequencies(tokenizer, texts: Iterable[str], vocab: int, batch: int = 1000) -> torch.Tensor:

@@ -1,0 +1,5 @@
+import sys
+
+from specdecode.entrypoints.cli import main
+
+sys.exit(main())

@@ -1,0 +1,317 @@
+"""What the subcommands share: one-line errors, the argparse classes, sampling flags, engine flags (from the
+option table in specdecode/options.py), loading an engine and streaming one request with its statistics."""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from specdecode import options
+
+EXIT_USAGE = 2
+
+
+class CLIError(Exception):
+    """A user error: printed as one ``error: ...`` line, exit code 2."""
+
+
+def one_line(msg: object) -> str:
+    return " ".join(str(msg).split()) or "unknown error"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (``error: ...``) and exit code 2, not the whole usage block."""
+
+    def error(self, message: str):  # noqa: D401 (argparse API)
+        if message.startswith("unrecognized arguments:"):
+            message += _close_flags(self, message.split(":", 1)[1].split())
+        self.exit(EXIT_USAGE, f"error: {one_line(message)} (see '{self.prog} --help')\n")
+
+
+def _close_flags(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """' (did you mean ...?)' for mistyped flags, searched in the parser and all its subcommands."""
+    import difflib
+
+    known: set[str] = set()
+    todo = [parser]
+    while todo:
+        p = todo.pop()
+        for a in p._actions:
+            known.update(a.option_strings)
+            if isinstance(a, argparse._SubParsersAction):
+                todo.extend(a.choices.values())
+    close = [m for u in unknown if u.startswith("-")
+             for m in difflib.get_close_matches(u.split("=", 1)[0], sorted(known), n=2, cutoff=0.75)]
+    return f" (did you mean {' or '.join(dict.fromkeys(close))}?)" if close else ""
+
+
+class Formatter(argparse.HelpFormatter):
+    """Wraps one-paragraph descriptions; text with explicit line breaks (examples) is kept as written."""
+
+    def __init__(self, prog: str):
+        import shutil
+        super().__init__(prog, max_help_position=34, width=min(100, shutil.get_terminal_size((100, 24)).columns))
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+OPT_OUTS = ("The defaults are the 'fast' preset: int8 target (w8a8), 4-bit draft (w4a8), prompt lookup first, "
+            "adaptive k, truncated draft head. Opt out part by part: -q none (full precision), --spec-type none "
+            "(no speculation), --no-adaptive, --no-ngram-first, --draft-vocab-size 0; --draft K fixes k")
+
+
+# ---------------------------------------------------------------- argument types
+def _number(kind, lo, hi=None, lo_open=False):
+    def parse(s: str):
+        try:
+            v = kind(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {s!r}") \
+                from None
+        if v != v or v < lo or (lo_open and v == lo) or (hi is not None and v > hi):
+            rng = (f"{lo}..{hi}" if kind is int else f"{'(' if lo_open else '['}{lo}, {hi}]") if hi is not None \
+                else (f"> {lo}" if lo_open else f">= {lo}")
+            raise argparse.ArgumentTypeError(f"must be {'an integer ' if kind is int else 'in '}{rng}, got {s}")
+        return v
+    return parse
+
+
+def int_at_least(lo: int, hi: int | None = None):
+    return _number(int, lo, hi)
+
+
+def float_in(lo: float, hi: float | None = None, lo_open: bool = False):
+    return _number(float, lo, hi, lo_open)
+
+
+def add_sampling_flags(p: argparse.ArgumentParser, n_default: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("-n", "--n-predict", "--max-tokens", dest="max_tokens", type=int_at_least(1), default=n_default,
+                   metavar="N", help=f"maximum tokens to generate (default {n_default})")
+    g.add_argument("--temp", "--temperature", dest="temperature", type=float_in(0.0), default=0.0, metavar="T",
+                   help="sampling temperature; 0 = greedy (default 0)")
+    g.add_argument("--top-p", type=float_in(0.0, 1.0, lo_open=True), default=1.0, metavar="P",
+                   help="nucleus sampling threshold in (0, 1] (default 1 = off)")
+    g.add_argument("--top-k", type=int_at_least(-1), default=-1, metavar="K",
+                   help="keep only the K most likely tokens (default -1 = off)")
+    g.add_argument("--min-p", type=float_in(0.0, 1.0), default=0.0, metavar="P",
+                   help="drop tokens below P x the top probability (default 0 = off)")
+    g.add_argument("--repeat-penalty", "--repetition-penalty", dest="repetition_penalty",
+                   type=float_in(0.0, lo_open=True), default=1.0, metavar="R", help="repetition penalty (default 1 = off)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+
+
+def sampling_params(args, max_tokens: int | None = None):
+    from specdecode.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k if args.top_k else -1,
+                          min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          max_tokens=max_tokens or args.max_tokens, ignore_eos=args.ignore_eos,
+                          seed=None if args.temperature == 0 else seed_of(args))
+
+
+def seed_of(args) -> int:
+    v = getattr(args, "engine.seed", None)
+    return 0 if v is None else v
+
+
+def add_engine_flags(p: argparse.ArgumentParser, command: str) -> None:
+    """The option table's flags, and --speculative-config (vLLM's JSON form) beside them."""
+    groups: dict[str, Any] = {}
+    options.add_options(p, command, groups=groups)
+    if command != "bench":
+        groups["speculative"].add_argument(
+            "--speculative-config", default=None, metavar="JSON",
+            help='the speculative options as one JSON object (vLLM), e.g. \'{"method": "ngram", '
+                 '"num_speculative_tokens": 4}\'; instead of the separate speculative flags')
+
+
+# ---------------------------------------------------------------- paths and engine kwargs
+def resolve_user_path(path: str, role: str) -> str:
+    """Fails fast on a missing model path (before the other model spends seconds loading)."""
+    from specdecode.models.resolve import resolve_model
+
+    return str(resolve_model(path, role))
+
+
+def user_file(path: str, flag: str) -> str:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise CLIError(f"{flag} {path}: no such file")
+    return str(p)
+
+
+def speculative_config_json(text: str | None) -> dict | None:
+    if not text:
+        return None
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config is not valid JSON ({e.msg}): {text!r}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"--speculative-config must be a JSON object, got {text!r}.")
+    return cfg
+
+
+def engine_kwargs(args, **defaults: Any) -> dict:
+    """Engine keyword arguments from the flags given (plus ``defaults`` for options not given); model paths
+    are checked before anything loads."""
+    kw = options.kwargs_from_args(args)
+    for k, v in defaults.items():
+        kw.setdefault(k, v)
+    if kw.get("model") is not None:
+        kw["model"] = resolve_user_path(kw["model"], "target")
+    draft = kw.get("speculative_model")
+    if isinstance(draft, str) and draft.strip().lower() not in options.NO_DRAFT + options.NGRAM_MODELS + ("default",):
+        kw["speculative_model"] = resolve_user_path(draft, "draft")
+    if kw.get("speculative_token_map"):
+        kw["speculative_token_map"] = user_file(kw["speculative_token_map"], "--token-map")
+    sc = speculative_config_json(getattr(args, "speculative_config", None))
+    if sc is not None:
+        kw["speculative_config"] = sc
+    return kw
+
+
+def build_config(kw: dict):
+    """EngineConfig.from_kwargs; its ValueErrors name options, which ``main`` turns into the flags typed."""
+    from specdecode.config import EngineConfig
+
+    return EngineConfig.from_kwargs(**kw)
+
+
+def load_engine(kw: dict):
+    from specdecode.engine.llm_engine import LLMEngine
+
+    return LLMEngine(build_config(kw))
+
+
+def describe(engine) -> tuple[str, str, int]:
+    """(target, draft description, k) of a loaded engine."""
+    spec = engine.config.speculative
+    if spec is None:
+        return str(engine.model_path), "none", 0
+    if spec.method != "draft_model":
+        return str(engine.model_path), f"{spec.method} (n={spec.prompt_lookup_min}..{spec.prompt_lookup_max})" \
+            if spec.method == "ngram" else spec.method, spec.num_speculative_tokens
+    draft = str(getattr(engine, "draft_path", spec.model))
+    extra = [x for x, on in (("lookup first", spec.ngram_first), ("adaptive", spec.adaptive)) if on]
+    return str(engine.model_path), draft + (f" ({', '.join(extra)})" if extra else ""), spec.num_speculative_tokens
+
+
+# ---------------------------------------------------------------- streaming one request
+class Interrupt:
+    """While active, Ctrl-C only sets a flag (checked between engine steps) instead of raising."""
+
+    def __init__(self):
+        self.hit = False
+        self._old = None
+
+    def __enter__(self):
+        self.hit = False
+        try:
+            self._old = signal.signal(signal.SIGINT, self._handler)
+        except ValueError:  # not the main thread: leave SIGINT alone
+            self._old = None
+        return self
+
+    def _handler(self, signum, frame):
+        self.hit = True
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+        return False
+
+
+def stream(engine, rid: str, ids: list[int], params, out, interrupt: Interrupt | None = None) -> dict:
+    """Runs one request to the end, writing text deltas to ``out``; returns the output and its timings
+    (request added, first token, last token)."""
+    printed = ""
+    t0 = time.perf_counter()
+    engine.add_request(rid, None, params, prompt_token_ids=ids)
+    t_first = final = None
+    aborted = False
+    while final is None:
+        if interrupt is not None and interrupt.hit and not aborted:
+            engine.abort_request(rid)
+            aborted = True
+        outs = engine.step()
+        now = time.perf_counter()
+        mine = next((o for o in outs if o.request_id == rid), None)
+        if mine is None:
+            if not engine.has_unfinished_requests():
+                raise RuntimeError("the engine stopped without finishing the request")
+            continue
+        if t_first is None and mine.outputs[0].token_ids:
+            t_first = now
+        text = mine.outputs[0].text
+        if out is not None and text.startswith(printed) and len(text) > len(printed):
+            out.write(text[len(printed):])
+            out.flush()
+            printed = text
+        if mine.finished:
+            final = mine
+    return {"output": final, "t0": t0, "t_first": now if t_first is None else t_first, "t_end": now,
+            "aborted": aborted}
+
+
+def stats(engine, run: dict) -> dict:
+    o = run["output"]
+    c = o.outputs[0]
+    spec = o.metrics.spec_decode if o.metrics is not None else None
+    target, draft, k = describe(engine)
+    n_prompt, n_out = len(o.prompt_token_ids), len(c.token_ids)
+    t_prefill = run["t_first"] - run["t0"]
+    t_decode = max(0.0, run["t_end"] - run["t_first"])
+    return {
+        "target": target, "draft": draft, "n_draft": k,
+        "n_prompt": n_prompt, "n_predict": n_out,
+        "n_drafts": spec.num_drafts if spec else 0,
+        "n_drafted": spec.num_draft_tokens if spec else 0,
+        "n_accept": spec.num_accepted_tokens if spec else 0,
+        "accept_rate": spec.acceptance_rate if spec and spec.num_draft_tokens else None,
+        "mean_acceptance_length": spec.mean_acceptance_length if spec and spec.num_drafts else None,
+        "per_position_acceptance": spec.per_position_acceptance_rate if spec else [],
+        "prompt_time_s": t_prefill,
+        "prompt_tokens_per_s": n_prompt / t_prefill if t_prefill > 0 else None,
+        "decode_tokens": max(0, n_out - 1),
+        "decode_time_s": t_decode,
+        "decode_tokens_per_s": (n_out - 1) / t_decode if n_out > 1 and t_decode > 0 else None,
+        "ttft_s": t_prefill,
+        "total_time_s": run["t_end"] - run["t0"],
+        "load_time_s": engine.load_time,
+        "finish_reason": c.finish_reason,
+    }
+
+
+def fmt(v, spec=".3f") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def format_stats(s: dict) -> str:
+    lines = [
+        "",
+        f"target:   {s['target']}",
+        f"draft:    {s['draft']}" + (f" (k={s['n_draft']})" if s["n_draft"] else ""),
+        f"encoded {s['n_prompt']:5d} tokens in {s['prompt_time_s']:8.3f} s, speed: "
+        f"{fmt(s['prompt_tokens_per_s'], '8.2f')} t/s   (prompt, until the first token)",
+        f"decoded {s['decode_tokens']:5d} tokens in {s['decode_time_s']:8.3f} s, speed: "
+        f"{fmt(s['decode_tokens_per_s'], '8.2f')} t/s   (after the first token)",
+        "",
+        f"n_draft   = {s['n_draft']}",
+        f"n_predict = {s['n_predict']}",
+        f"n_drafted = {s['n_drafted']}",
+        f"n_accept  = {s['n_accept']}",
+        "accept    = " + ("n/a" if s["accept_rate"] is None else f"{100 * s['accept_rate']:.3f}%"),
+        f"mean acceptance length = {fmt(s['mean_acceptance_length'])} (tokens per target pass; "
+        f"{s['n_drafts']} verification passes with drafts)",
+        f"load time = {s['load_time_s']:.3f} s",
+    ]
+    return "\n".join(lines)

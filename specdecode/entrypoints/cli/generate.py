@@ -1,0 +1,88 @@
+"""``specdecode generate``: one prompt, streamed to stdout, statistics to stderr (llama-cli / llama-speculative)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from specdecode.entrypoints.cli._shared import (OPT_OUTS, CLIError, Formatter, add_engine_flags, add_sampling_flags,
+                                                engine_kwargs, format_stats, load_engine, sampling_params, stats,
+                                                stream)
+
+DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
+
+
+def add_parser(sub) -> None:
+    g = sub.add_parser("generate", formatter_class=Formatter, help="generate text from a prompt (llama-cli style)",
+                       description="Generate from one prompt with speculative decoding and stream the text to "
+                                   "stdout; statistics (acceptance, prefill and decode speed, load time) go to "
+                                   "stderr. The prompt is sent as a user message in the model's chat template "
+                                   "when it has one (--raw: plain completion). " + OPT_OUTS + ".",
+                       epilog="examples:\n  specdecode generate -p 'Write a haiku about autumn'\n"
+                              "  specdecode generate --raw -p 'def fib(n):' -n 64\n"
+                              "  specdecode generate -m target.gguf -md draft.gguf -p '...' -n 256\n"
+                              "  specdecode generate -m model_dir --spec-type ngram -f prompt.txt --json")
+    gi = g.add_argument_group("input and output")
+    gi.add_argument("-p", "--prompt", default=None, help=f"the prompt (default: {DEFAULT_PROMPT!r})")
+    gi.add_argument("-f", "--file", metavar="PROMPT_FILE", default=None, help="read the prompt from a file ('-' = stdin)")
+    gi.add_argument("--raw", "-no-cnv", "--no-conversation", dest="raw", action="store_true",
+                    help="plain completion: the prompt as it is, without the chat template")
+    gi.add_argument("--chat", action="store_true",
+                    help="require the chat template (the default when the model has one): an error if it has none")
+    gi.add_argument("--system", default=None, metavar="TEXT", help="system message (chat template only)")
+    gi.add_argument("--echo", action="store_true", help="print the prompt before the generated text (--raw)")
+    gi.add_argument("--json", action="store_true",
+                    help="print one JSON object (text, token ids, stats) to stdout instead of streaming")
+    add_engine_flags(g, "generate")
+    add_sampling_flags(g, 128)
+    g.set_defaults(func=run)
+
+
+def _read_prompt(args) -> str:
+    if args.prompt is not None and args.file is not None:
+        raise CLIError("give the prompt with -p or -f, not both")
+    if args.file is None:
+        return args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    try:
+        prompt = sys.stdin.read() if args.file == "-" else Path(args.file).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CLIError(f"cannot read prompt file {args.file}: {getattr(e, 'strerror', None) or e}") from None
+    return prompt[:-1] if args.file != "-" and prompt.endswith("\n") else prompt
+
+
+def run(args) -> int:
+    if args.raw and args.chat:
+        raise CLIError("--raw and --chat contradict each other; pass one")
+    prompt = _read_prompt(args)
+    if not prompt.strip() and not args.chat:
+        raise CLIError("the prompt is empty")
+    params = sampling_params(args)  # validates before the slow model load
+    engine = load_engine(engine_kwargs(args, max_num_seqs=1))
+    has_template = bool(getattr(engine.tokenizer, "chat_template", None))
+    if args.chat and not has_template:
+        raise CLIError(f"--chat: {engine.model_path} has no chat template; drop --chat for plain completion")
+    use_chat = has_template and not args.raw
+    if use_chat:
+        from specdecode.tokenizer import apply_chat_template
+        msgs = ([{"role": "system", "content": args.system}] if args.system else [])
+        text = apply_chat_template(engine.tokenizer, msgs + [{"role": "user", "content": prompt}])
+    else:
+        text = prompt
+    ids = engine.encode_prompt(text)
+    if args.json:
+        result = stream(engine, "generate", ids, params, None)
+    else:
+        if args.echo and not use_chat:
+            sys.stdout.write(prompt)
+        result = stream(engine, "generate", ids, params, sys.stdout)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    s = stats(engine, result)
+    if args.json:
+        c = result["output"].outputs[0]
+        print(json.dumps({"prompt": prompt, "chat_template": use_chat, "text": c.text, "token_ids": list(c.token_ids),
+                          "prompt_token_ids": list(result["output"].prompt_token_ids),
+                          "finish_reason": c.finish_reason, "stats": s}, ensure_ascii=False))
+    else:
+        print(format_stats(s), file=sys.stderr)
+    return 0

@@ -1,0 +1,58 @@
+"""The server's command-line flags (vLLM's names), shared by ``specdecode serve`` and
+``python -m specdecode.entrypoints.openai.api_server``. Engine and speculative flags come from the option table
+(specdecode/options.py), so the server takes every option ``generate`` takes, under the same names."""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from specdecode import options
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """The server's flags (the model itself is added by the caller)."""
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", metavar="HOST",
+                   help="Interface to bind (default 127.0.0.1; 0.0.0.0 for all).")
+    g.add_argument("--port", type=int, default=8000, metavar="PORT", help="Port to listen on (default 8000).")
+    g.add_argument("--api-key", default=None, metavar="KEY",
+                   help="Require 'Authorization: Bearer KEY' on /v1/* (default: $SPECDECODE_API_KEY, or none).")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="Model name(s) clients use in the 'model' field (default: the model argument).")
+    g.add_argument("--uvicorn-log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    g.add_argument("--timeout-graceful-shutdown", type=float, default=30.0, metavar="SECONDS",
+                   help="Seconds in-flight requests get to finish after SIGINT/SIGTERM (default 30).")
+    r = parser.add_argument_group("ray serve")
+    r.add_argument("--ray", action="store_true",
+                   help="Serve through Ray Serve, with --num-replicas engine replicas (pip install 'specdecode[ray]').")
+    r.add_argument("--num-replicas", type=int, default=None, metavar="N",
+                   help="Engine replicas under Ray Serve (with --ray; default 1).")
+    r.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                   help="Join this Ray cluster (default: $RAY_ADDRESS, else a local one).")
+    r.add_argument("--num-cpus-per-replica", type=int, default=None, metavar="N",
+                   help="CPUs Ray reserves per replica, also its engine's thread count unless --threads is given.")
+    groups: dict[str, Any] = {}
+    options.add_options(parser, "serve", skip=("model",), groups=groups)
+    groups["speculative"].add_argument(
+        "--speculative-config", default=None, metavar="JSON",
+        help='The speculative options as one JSON object (vLLM form), e.g. \'{"method": "ngram", '
+             '"num_speculative_tokens": 4}\'; instead of the separate speculative flags.')
+
+
+def engine_kwargs_from_args(args: argparse.Namespace, model: str | None) -> dict[str, Any]:
+    """Engine keyword arguments from parsed flags (ValueError for a malformed --speculative-config); options not
+    given are left to the preset (EngineConfig.from_kwargs)."""
+    kw: dict[str, Any] = options.kwargs_from_args(args)
+    kw["model"] = model
+    sc = getattr(args, "speculative_config", None)
+    if sc:
+        try:
+            cfg = json.loads(sc)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config is not valid JSON ({e.msg}): {sc!r}") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"--speculative-config must be a JSON object, got {sc!r}.")
+        kw["speculative_config"] = cfg
+    return kw
