@@ -1,9 +1,27 @@
 """Per-request sampling parameters, with vLLM's names and defaults."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 
 _GREEDY_EPS = 1e-5
+# The sampler works in float32: a factor whose reciprocal overflows float32 (1 / 1e-39) turns logits into inf
+# and the whole distribution into NaN, so such values are rejected here, by name.
+_F32_MAX = 3.4028234663852886e38
+_SEED_MIN, _SEED_MAX = -(2 ** 63), 2 ** 64 - 1  # what torch.Generator.manual_seed accepts
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def check_text(value: str, what: str) -> None:
+    """A lone UTF-16 surrogate (JSON's "\\ud800") is not text: no tokenizer can encode it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} contains an invalid Unicode code point (a lone surrogate); send valid UTF-8 text.") \
+            from None
 
 
 @dataclass
@@ -38,29 +56,44 @@ class SamplingParams:
         def bad(msg: str) -> None:
             raise ValueError(f"Invalid SamplingParams: {msg}")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        def real(name: str, lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> float:
+            v = getattr(self, name)
+            if not _is_real(v):
+                bad(f"{name} must be a finite number, got {v!r}.")
+            if (lo is not None and (v < lo or (lo_open and v == lo))) or (hi is not None and v > hi):
+                lo_s = "-inf" if lo is None else f"{lo:g}"
+                hi_s = "inf" if hi is None else f"{hi:g}"
+                bad(f"{name} must be in {'(' if lo_open else '['}{lo_s}, {hi_s}], got {v!r}.")
+            return v
+
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             bad(f"n must be an integer >= 1, got {self.n!r}.")
-        if self.temperature is None or self.temperature < 0:
-            bad(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}.")
-        if not (0.0 < self.top_p <= 1.0):
-            bad(f"top_p must be in (0, 1], got {self.top_p!r}; use 1.0 to disable it.")
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+        if self.temperature is None:
+            bad("temperature must be a number >= 0 (0 means greedy), got None.")
+        real("temperature", 0.0)  # below _GREEDY_EPS it is greedy, so 1 / temperature stays small
+        real("top_p", 0.0, 1.0, lo_open=True)
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or (self.top_k < 1 and self.top_k != -1):
             bad(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}.")
-        if not (0.0 <= self.min_p <= 1.0):
-            bad(f"min_p must be in [0, 1], got {self.min_p!r}.")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        real("min_p", 0.0, 1.0)
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
+                                            or self.max_tokens < 1):
             bad(f"max_tokens must be an integer >= 1 (or None for 'up to max_model_len'), got {self.max_tokens!r}.")
-        if not (-2.0 <= self.presence_penalty <= 2.0):
-            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}.")
-        if not (-2.0 <= self.frequency_penalty <= 2.0):
-            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}.")
-        if self.repetition_penalty <= 0:
-            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}.")
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+        real("presence_penalty", -2.0, 2.0)
+        real("frequency_penalty", -2.0, 2.0)
+        rp = real("repetition_penalty", 0.0, lo_open=True)
+        if rp > _F32_MAX or 1.0 / rp > _F32_MAX:
+            bad(f"repetition_penalty {rp!r} is out of range: it and its reciprocal must be finite in float32.")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not _SEED_MIN <= self.seed <= _SEED_MAX):
+            bad(f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}.")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= 20):
             bad(f"logprobs must be between 0 and 20, got {self.logprobs!r}.")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop must be a string or a list of non-empty strings.")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        for s in self.stop:
+            check_text(s, "stop")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be a list of non-negative integers.")
 
     @property

@@ -407,7 +407,9 @@ def test_api_key_and_queue_full(engine_kwargs):
                 while scrape(url)["specdecode:num_requests_waiting"] < 1:
                     assert time.time() < deadline
                     time.sleep(0.02)
-                _err(h.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "z"}), 503, "queue_full")
+                full = h.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "z"})
+                _err(full, 503, "queue_full")
+                assert int(full.headers["retry-after"]) >= 1
                 with pytest.raises(openai.InternalServerError) as e:
                     good.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "z"}])
                 assert e.value.status_code == 503

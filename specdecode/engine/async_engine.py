@@ -25,7 +25,8 @@ from specdecode.speculative.metrics import SpecDecodeStats
 
 logger = logging.getLogger("specdecode")
 
-__all__ = ["AsyncLLMEngine", "RequestStream", "EngineDeadError", "EngineStepError", "QueueFullError"]
+__all__ = ["AsyncLLMEngine", "RequestStream", "EngineDeadError", "EngineStepError", "QueueFullError",
+           "RequestFailedError"]
 
 StepCallback = Callable[[list[RequestOutput], LLMEngine, float], None]
 
@@ -38,10 +39,17 @@ class EngineStepError(RuntimeError):
     """An engine step raised; the requests that were in flight are failed with this error."""
 
 
+class RequestFailedError(RuntimeError):
+    """This request failed alone inside the engine (its output has finish_reason "error"); the others go on."""
+
+
 def default_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The keyword arguments as ``LLM`` takes them. Defaults (the ``fast`` preset, with the embedded default pair
-    when no model is given) are filled in by ``EngineConfig.from_kwargs``, the one place that does so."""
-    return dict(kwargs)
+    """The ``LLM`` convention: no model and no speculative settings means the embedded default pair."""
+    kw = dict(kwargs)
+    if kw.get("model") is None and kw.get("speculative_model") is None and kw.get("speculative_config") is None:
+        kw["speculative_model"] = "default"
+        kw["num_speculative_tokens"] = kw.get("num_speculative_tokens") or 4
+    return kw
 
 
 class _Stream:
@@ -165,6 +173,12 @@ class AsyncLLMEngine:
         Raises what ``LLMEngine.add_request`` raises (ValueError for a bad prompt, QueueFullError when the
         waiting queue is full) and EngineDeadError after shutdown."""
         loop = asyncio.get_running_loop()
+        if self._stopping or self._dead is not None:
+            raise EngineDeadError("The engine is shut down and accepts no new requests.")
+        if prompt_token_ids is None:
+            # Tokenizing (megabytes, at worst) happens in a worker thread, never on the engine thread, so one
+            # large prompt cannot stall the running streams.
+            prompt_token_ids = await loop.run_in_executor(None, self.engine.encode_prompt, prompt, None)
         stream = _Stream(request_id, loop)
         accepted: asyncio.Future = loop.create_future()
         self._submit(("add", stream, prompt, params, prompt_token_ids, accepted))
@@ -190,6 +204,11 @@ class AsyncLLMEngine:
         """Thread-safe; the request finishes with finish_reason 'abort' at the next step."""
         if not self._stopping:
             self._submit(("abort", request_id))
+
+    def fail_in_flight(self, message: str) -> None:
+        """Thread-safe: ends every request in flight with EngineDeadError(message) and aborts it in the engine
+        (the server's last word to its streams before a shutdown deadline cuts them)."""
+        self._submit(("fail_all", message))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stops the loop; requests still in flight get EngineDeadError. Idempotent."""
@@ -251,6 +270,11 @@ class AsyncLLMEngine:
             if not stopping:
                 self.engine.abort_request(cmd[1])
             return
+        if cmd[0] == "fail_all":
+            for rid in list(self._streams):
+                self.engine.abort_request(rid)
+            self._fail_all(EngineDeadError(cmd[1]))
+            return
         _, stream, prompt, params, ids, accepted = cmd
         rid = stream.request_id
         try:
@@ -300,13 +324,15 @@ class AsyncLLMEngine:
         now = time.time()
         outputs = [self._snapshot(o) for o in outputs]
         for out in outputs:
-            if out.finished:
+            if out.error and not out.finished:  # one of n samples failed: the request as a whole has
+                self.engine.abort_request(out.request_id)
+            if out.finished or out.error:
                 self._children.pop(out.request_id, None)
                 stream = self._streams.pop(out.request_id, None)
             else:
                 stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.put(out)
+                stream.put(RequestFailedError(f"The request failed: {out.error}") if out.error else out)
         if self.step_callback is not None:
             try:
                 self.step_callback(outputs, self.engine, now)

@@ -1,6 +1,7 @@
 """The engine step loop: admit and prefill, propose, verify in one target pass, rejection-sample, commit."""
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from specdecode.engine.scheduler import QueueFullError, Scheduler
 from specdecode.layers.sampler import apply_penalties, logits_to_probs, logprobs_of
 from specdecode.models.loader import load_model
 from specdecode.outputs import RequestOutput
-from specdecode.sampling_params import SamplingParams
+from specdecode.sampling_params import SamplingParams, check_text
 from specdecode.speculative.adaptive import CostModel, calibrate, choose_k, next_k
 from specdecode.speculative.metrics import SpecDecodeStats
 from specdecode.speculative.ngram import ngram_lookup
@@ -97,6 +98,13 @@ class LLMEngine:
         logger.info("Calibrated adaptive speculation costs in %.1f s", time.perf_counter() - t0)
         return costs
 
+    @functools.cached_property
+    def max_prompt_chars(self) -> int:
+        """More characters than any prompt of max_model_len tokens can have (twice the longest vocabulary
+        entry per token, which also covers normalizers that shorten text)."""
+        longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+        return 2 * self.max_model_len * max(longest, 1)
+
     @classmethod
     def from_kwargs(cls, **kw) -> "LLMEngine":
         return cls(EngineConfig.from_kwargs(**kw))
@@ -113,6 +121,12 @@ class LLMEngine:
         else:
             if not isinstance(prompt, str):
                 raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}.")
+            check_text(prompt, "prompt")
+            if len(prompt) > self.max_prompt_chars:
+                # Checked before tokenizing: no token is longer than the vocabulary's longest entry, so such a
+                # prompt cannot fit, and tokenizing megabytes only to say so would stall its caller.
+                raise ValueError(f"The prompt has {len(prompt)} characters, more than {self.max_model_len} tokens "
+                                 f"(max_model_len) can hold; shorten the prompt or raise max_model_len.")
             ids = self.tokenizer.encode(prompt)
         if not ids:
             bos = getattr(self.tokenizer, "bos_token_id", None)
@@ -135,7 +149,7 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         children = []
         for i in range(params.n):
-            p = params if params.n == 1 or params.seed is None else params.clone(seed=params.seed + i)
+            p = params if params.n == 1 or params.seed is None else params.clone(seed=(params.seed + i) % 2 ** 64)
             children.append(Request(request_id, text, ids, p, self.tokenizer, max_tokens, self.target.device, i))
         self.scheduler.add(children)
         self._parents[request_id] = children
@@ -155,16 +169,48 @@ class LLMEngine:
             touched[r.request_id] = None
         new = self.scheduler.admit()
         for r in new:
-            self._prefill(r)
+            self._isolated(lambda rs: self._prefill(rs[0]), [r])
             touched[r.request_id] = None
         decode = [r for r in self.scheduler.running if r not in new and not r.finished]
         if decode:
-            self._decode(decode)
+            self._isolated(self._decode, decode)
             for r in decode:
                 touched[r.request_id] = None
         for r in [r for r in self.scheduler.running if r.finished]:
             self.scheduler.release(r)
         return [self._output(rid) for rid in touched]
+
+    def _isolated(self, run, reqs: list[Request]) -> None:
+        """run(reqs), such that a request whose own numbers break the step fails alone.
+
+        If the batch raises, every request it did not commit yet is run again on its own, from the same
+        state: its KV lengths and its seeded generator are put back as they were. Rows are computed
+        independently of what shares their pass, so the others' results are exactly what the batch would
+        have given."""
+        states = {id(r): r.generator.get_state() for r in reqs if r.generator is not None}
+        lengths = {id(r): len(r.all_token_ids) for r in reqs}
+        cached = {id(r): (r.num_computed, r.draft_computed) for r in reqs}
+        try:
+            run(reqs)
+            return
+        except Exception as e:  # noqa: BLE001 - a lone request is to blame; a batch is split below
+            if len(reqs) == 1:
+                self._fail(reqs[0], e)
+                return
+        for r in reqs:
+            if r.finished or len(r.all_token_ids) != lengths[id(r)]:
+                continue  # committed before the failure: its step is done
+            if id(r) in states:
+                r.generator.set_state(states[id(r)])
+            # KV written by the failed attempt lies past these lengths: a length change is the whole rollback
+            r.num_computed, r.draft_computed = cached[id(r)]
+            self._isolated(run, [r])
+
+    def _fail(self, r: Request, error: Exception) -> None:
+        logger.warning("Request %s failed alone: %s: %s", r.request_id, type(error).__name__, error)
+        r.status, r.finish_reason = Status.FINISHED, "error"
+        r.error = f"{type(error).__name__}: {error}"
+        r.metrics.finished_time = time.time()
 
     def _output(self, rid: str) -> RequestOutput:
         children = self._parents[rid]
@@ -172,6 +218,7 @@ class LLMEngine:
         if len(children) > 1:
             out.outputs = [c.completion() for c in children]
             out.finished = all(c.finished for c in children)
+            out.error = next((c.error for c in children if c.error), None)
         if out.finished:
             del self._parents[rid]
         return out

@@ -31,6 +31,7 @@ class Request:
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.error: str | None = None  # set when this request failed alone (finish_reason "error")
         self.slot: int | None = None
         # KV lengths: how many leading tokens of all_token_ids each cache holds. The target always holds
         # all but the newest token, which is fed at the next step.
@@ -75,7 +76,7 @@ class Request:
 
     def to_output(self, delta: bool = False) -> RequestOutput:
         out = RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [self.completion(delta)],
-                            self.finished, self.metrics)
+                            self.finished, self.metrics, self.error)
         if delta:
             self.sent_text, self.sent_tokens = len(self.text), self.num_output_tokens
         return out

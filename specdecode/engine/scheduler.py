@@ -22,8 +22,15 @@ class Scheduler:
         self._lock = threading.Lock()
 
     def add(self, reqs: list[Request]) -> None:
+        """Queues one request's samples together. The waiting limit counts only the requests that cannot be
+        admitted now: those beyond the free slots."""
+        if len(reqs) > max(self.max_waiting, 1):
+            # Such a request fits only while enough slots happen to be free: refuse it for good, not "retry".
+            raise ValueError(f"n={len(reqs)} samples exceed the waiting limit of {self.max_waiting} requests, so "
+                             "this request could not be queued while the server is busy; lower n or raise "
+                             "max_waiting_requests.")
         with self._lock:
-            if len(self.waiting) + len(reqs) > self.max_waiting:
+            if len(self.waiting) + len(reqs) - len(self.free_slots) > self.max_waiting:
                 raise QueueFullError(f"The waiting queue is full ({self.max_waiting} requests); retry later.")
             self.waiting.extend(reqs)
 

@@ -50,8 +50,16 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return (c * _ARGMAX_CHUNK + inside).view(shape)
 
 
+class SamplingError(ValueError):
+    """A request's numbers gave no distribution to sample from (non-finite logits after its penalties and
+    temperature). The engine fails that request alone."""
+
+
 def logits_to_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, top-k, top-p and min-p, then softmax. Greedy rows get a one-hot argmax."""
+    """Temperature, top-k, top-p and min-p, then softmax. Greedy rows get a one-hot argmax.
+
+    Raises SamplingError when a row has no valid distribution, so that a bad request cannot hand NaN to the
+    rejection sampler, where it would fail the whole batch."""
     logits = logits.float()
     probs = torch.empty_like(logits)
     for i, p in enumerate(params):
@@ -72,6 +80,9 @@ def logits_to_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         if p.min_p > 0.0:
             pr = pr.masked_fill(pr < p.min_p * pr.max(), 0.0)
         probs[i] = pr / pr.sum()
+    if not bool(torch.isfinite(probs).all()):
+        raise SamplingError("The sampling parameters gave non-finite probabilities (check temperature and the "
+                            "penalties).")
     return probs
 
 

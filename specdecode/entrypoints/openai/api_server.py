@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import hmac
 import json
 import logging
 import os
@@ -21,22 +22,24 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specdecode.engine.async_engine import (AsyncLLMEngine, EngineDeadError, EngineStepError, RequestStream,
-                                            default_engine_kwargs)
+from specdecode.config import QUANTIZATION_CHOICES
+from specdecode.engine.async_engine import (AsyncLLMEngine, EngineDeadError, EngineStepError, RequestFailedError,
+                                            RequestStream, default_engine_kwargs)
 from specdecode.engine.llm_engine import LLMEngine
 from specdecode.engine.scheduler import QueueFullError
-from specdecode.entrypoints.openai.cli_args import add_server_args, engine_kwargs_from_args
 from specdecode.entrypoints.openai.metrics import ServerMetrics
 from specdecode.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                                     ChatCompletionResponse, ChatLogprobs, ChatResponseMessage,
                                                     ChatStreamChoice, CompletionChoice, CompletionChunk,
                                                     CompletionLogprobs, CompletionRequest, CompletionResponse,
-                                                    DeltaMessage, ModelCard, ModelList, SpecDecodeSummary,
+                                                    DeltaMessage, ErrorResponse, ModelCard, ModelList, SpecDecodeSummary,
                                                     TokenLogprob, TopLogprob, UsageInfo)
 from specdecode.outputs import CompletionOutput, RequestOutput
 from specdecode.sampling_params import SamplingParams
@@ -53,31 +56,40 @@ class APIError(Exception):
     """Becomes ``{"error": {"message", "type", "param", "code"}}`` with the given HTTP status."""
 
     TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-             405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
-             503: "server_error"}
+             405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+             500: "server_error", 503: "server_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str | None = None):
+                 type_: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.type = type_ or self.TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# Seconds a client is told to wait after a 503: a full queue drains within a few engine steps; a server that
+# is shutting down needs a restart (or another replica).
+RETRY_AFTER_QUEUE_FULL = "1"
+RETRY_AFTER_DEAD = "10"
 
 
 def _from_exception(e: BaseException, prompt_param: str = "prompt") -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, QueueFullError):
-        return APIError(503, str(e), code="queue_full")
+        return APIError(503, str(e), code="queue_full", headers={"Retry-After": RETRY_AFTER_QUEUE_FULL})
     if isinstance(e, EngineDeadError):
-        return APIError(503, str(e), code="engine_unavailable")
+        return APIError(503, str(e), code="engine_unavailable", headers={"Retry-After": RETRY_AFTER_DEAD})
     if isinstance(e, EngineStepError):
         return APIError(500, str(e), code="internal_error")
+    if isinstance(e, RequestFailedError):
+        return APIError(500, str(e), code="request_failed")
     if isinstance(e, ValueError):
         msg = str(e)
         if "max_model_len" in msg:
@@ -94,13 +106,26 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         detail = (err.get("ctx") or {}).get("error", "")
         return APIError(400, f"The request body is not valid JSON ({detail}).".replace(" ()", ""),
                         code="invalid_json")
+    extra = [err for err in errs if err.get("type") == "extra_forbidden"]
+    if extra:
+        names = [".".join(str(x) for x in err.get("loc", ()) if x != "body") for err in extra]
+        return APIError(400, f"Unsupported field{'s' if len(names) > 1 else ''} {', '.join(map(repr, names))}: "
+                        "this server does not implement "
+                        f"{'them' if len(names) > 1 else 'it'}, and ignoring it would change the answer "
+                        "silently. Remove it from the request.", param=names[0], code="unsupported_field")
     parts, param = [], None
     for err in errs[:5]:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         # union members show up as extra loc entries such as 'str' or 'list[int]'; keep the field path only
         field = ".".join(x for x in loc if not any(c in x for c in "[]") and x not in ("str", "int", "float"))
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        if not field and err.get("type") == "value_error":  # our own checks name the field first
+            field = msg.split(" ", 1)[0].split(".", 1)[0].split("[", 1)[0]
+            param = param or (field if field.isidentifier() else None)
+            parts.append(msg)
+            continue
         param = param or (field or None)
-        parts.append(f"{field or 'body'}: {err.get('msg', 'invalid value')}")
+        parts.append(f"{field or 'body'}: {msg}")
     return APIError(400, "Invalid request: " + "; ".join(parts), param=param, code="invalid_value")
 
 
@@ -428,26 +453,113 @@ class OpenAIServer:
 
 
 # ====================================================================== app
-class _AuthMiddleware:
-    """Plain ASGI middleware: /v1/* needs ``Authorization: Bearer <api key>`` when a key is configured.
+DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
+DEFAULT_BODY_TIMEOUT = 30.0
+_DRAIN_FACTOR, _DRAIN_BYTES = 4, 64 * 1024 * 1024  # how much of an oversized body is read only to be dropped
+_JSON_LIKE = (b"", b"application/x-www-form-urlencoded", b"text/plain")
 
-    (Checked before the body is parsed, so a bad key is a 401 whatever the body holds.)"""
 
-    def __init__(self, app, api_key: str, on_reject):
+class _Gate:
+    """Plain ASGI middleware in front of every route; checks run before any body is parsed.
+
+    - API key: /v1/* and the OpenAPI schema need ``Authorization: Bearer <key>`` when a key is set (compared in
+      constant time); /metrics too with ``metrics_require_key``. /health stays open for load balancers.
+    - Body size: over ``max_body_bytes`` is a 413, decided from Content-Length or while reading, so a huge
+      body is never held or parsed.
+    - Slow clients: a body that stalls for ``body_timeout`` seconds is a 408, not a connection held forever.
+    - A POST without a JSON content type (curl -d sends form encoding) is read as JSON, as vLLM does."""
+
+    def __init__(self, app, api_key: str | None, on_reject, max_body_bytes: int, body_timeout: float,
+                 metrics_require_key: bool):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.on_reject = on_reject
+        self.max_body = max_body_bytes
+        self.body_timeout = body_timeout
+        self.protected = ("/v1", "/openapi.json") + (("/metrics",) if metrics_require_key else ())
+
+    async def _reject(self, send, err: APIError) -> None:
+        self.on_reject(err.status)
+        resp = JSONResponse(err.body(), status_code=err.status, headers={"Connection": "close"})
+        await resp({"type": "http"}, None, send)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope.get("path", "").startswith("/v1") and scope.get("method") != "OPTIONS":
-            auth = dict(scope.get("headers") or []).get(b"authorization")
-            if auth != self.expected:
-                self.on_reject(401)
-                err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
-                               code="invalid_api_key")
-                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        path = scope.get("path", "")
+        if self.expected is not None and path.startswith(self.protected) and scope.get("method") != "OPTIONS":
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+                return await self._reject(send, APIError(
+                    401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key"))
+        if scope.get("method") != "POST":
+            return await self.app(scope, receive, send)
+        too_big = APIError(413, f"The request body is larger than the server's limit of {self.max_body} bytes.",
+                           code="request_too_large")
+        try:
+            declared = int(headers.get(b"content-length", b"0") or 0)
+        except ValueError:
+            declared = 0
+        if declared > self.max_body and headers.get(b"expect", b"").lower() == b"100-continue":
+            return await self._reject(send, too_big)  # the client waits for our word before sending the body
+        chunks, size = [], 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout)
+            except asyncio.TimeoutError:
+                return await self._reject(send, APIError(
+                    408, f"The request body did not arrive within {self.body_timeout:g} s.", code="request_timeout"))
+            if message["type"] == "http.disconnect":
                 return
-        await self.app(scope, receive, send)
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size <= self.max_body:
+                chunks.append(chunk)
+            elif chunks:
+                chunks = []  # over the limit: what follows is read only to be dropped
+            if not message.get("more_body", False) or size > _DRAIN_FACTOR * self.max_body + _DRAIN_BYTES:
+                break
+        if size > self.max_body:
+            # The rest was drained (cheaply, up to a bound) so the client, still sending, reads a 413 instead of
+            # a reset connection.
+            return await self._reject(send, too_big)
+        body = b"".join(chunks)
+        delivered = False
+
+        async def replay():
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: disconnect notices
+
+        ctype = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
+        if path.startswith("/v1") and ctype in _JSON_LIKE:
+            scope = dict(scope, headers=[(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"]
+                         + [(b"content-type", b"application/json")])
+        await self.app(scope, replay, send)
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema, with the error responses this server really sends: 400 in OpenAI's error shape for
+    an invalid body (FastAPI would document its own 422)."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+        schemas["ErrorResponse"] = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+        for defs_name, defs in schemas["ErrorResponse"].pop("$defs", {}).items():
+            schemas.setdefault(defs_name, defs)
+        for schemas_name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(schemas_name, None)
+        error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+        for item in schema.get("paths", {}).values():
+            for op in item.values():
+                responses = op.get("responses", {})
+                if responses.pop("422", None) is not None:
+                    responses["400"] = dict(error, description="Invalid request")
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def _normalise_prompts(prompt: Any) -> list[tuple[str | None, list[int] | None]]:
@@ -470,8 +582,13 @@ def _normalise_prompts(prompt: Any) -> list[tuple[str | None, list[int] | None]]
 
 
 def build_app(engine_kwargs: dict | None = None, served_model_name: str | list[str] | None = None,
-              api_key: str | None = None, *, engine: AsyncLLMEngine | LLMEngine | None = None) -> FastAPI:
-    """The FastAPI app. Loads the engine now (ValueError for bad settings) unless one is passed in."""
+              api_key: str | None = None, *, engine: AsyncLLMEngine | LLMEngine | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout: float = DEFAULT_BODY_TIMEOUT,
+              metrics_require_key: bool = False) -> FastAPI:
+    """The FastAPI app. Loads the engine now (ValueError for bad settings) unless one is passed in.
+
+    ``metrics_require_key``: /metrics is open by default, as in vLLM (scrapers rarely send keys); set it to
+    put /metrics behind the API key too."""
     if engine is None:
         engine = AsyncLLMEngine.from_kwargs(**(engine_kwargs or {}))
     elif isinstance(engine, LLMEngine):
@@ -498,12 +615,13 @@ def build_app(engine_kwargs: dict | None = None, served_model_name: str | list[s
     app = FastAPI(title="specdecode OpenAI-compatible server", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = srv
     app.state.engine = engine
-    if api_key:
-        app.add_middleware(_AuthMiddleware, api_key=api_key, on_reject=metrics.on_http_error)
+    app.add_middleware(_Gate, api_key=api_key, on_reject=metrics.on_http_error, max_body_bytes=max_body_bytes,
+                       body_timeout=body_timeout, metrics_require_key=metrics_require_key)
+    app.openapi = functools.partial(_openapi, app)
 
     def error_response(err: APIError) -> JSONResponse:
         metrics.on_http_error(err.status)
-        return JSONResponse(err.body(), status_code=err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
@@ -570,7 +688,7 @@ def build_app(engine_kwargs: dict | None = None, served_model_name: str | list[s
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         model = srv.check_model(body.model)
         params = params_of(body)
-        prompt = srv.chat_prompt(body)
+        prompt = await run_in_threadpool(srv.chat_prompt, body)  # templating is CPU work: off the event loop
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         (stream,) = await srv.start(rid, [(prompt, None)], params, "messages")
         if body.stream:
@@ -588,6 +706,81 @@ def build_app(engine_kwargs: dict | None = None, served_model_name: str | list[s
 
 
 # ====================================================================== command line
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """The server's flags, under vLLM's names (the model itself is added by the caller)."""
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", metavar="HOST",
+                   help="Interface to bind (default 127.0.0.1; 0.0.0.0 for all).")
+    g.add_argument("--port", type=int, default=8000, metavar="PORT", help="Port to listen on (default 8000).")
+    g.add_argument("--api-key", default=None, metavar="KEY",
+                   help="Require 'Authorization: Bearer KEY' on /v1/* (default: $SPECDECODE_API_KEY, or none).")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="Model name(s) clients use in the 'model' field (default: the model argument).")
+    g.add_argument("--uvicorn-log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    g.add_argument("--timeout-graceful-shutdown", type=float, default=30.0, metavar="SECONDS",
+                   help="Seconds in-flight requests get to finish after SIGINT/SIGTERM (default 30); streams "
+                        "still running then end with an error event.")
+    g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+                   help=f"Larger request bodies get HTTP 413 before they are read (default {DEFAULT_MAX_BODY_BYTES}).")
+    g.add_argument("--request-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT, metavar="SECONDS",
+                   help="A request body that stalls this long gets HTTP 408 (default 30).")
+    g.add_argument("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY, metavar="N",
+                   help=f"Open connections beyond this get HTTP 503 at once (default {DEFAULT_LIMIT_CONCURRENCY}).")
+    g.add_argument("--metrics-require-key", action="store_true",
+                   help="Put /metrics behind --api-key too (default: open, as in vLLM; /health is always open).")
+    e = parser.add_argument_group("engine")
+    e.add_argument("--max-num-seqs", type=int, default=None, metavar="N", help="Running batch size (cache slots).")
+    e.add_argument("--max-model-len", type=int, default=None, metavar="N", help="Context length (prompt + output).")
+    e.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    e.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES)
+    e.add_argument("--seed", type=int, default=None, metavar="N")
+    e.add_argument("--compile", action="store_true", default=None,
+                   help="torch.compile the decode / verification layers where they run in Python.")
+    e.add_argument("--max-waiting-requests", type=int, default=None, metavar="N",
+                   help="Waiting-queue limit; requests beyond it get HTTP 503.")
+    s = parser.add_argument_group("speculative decoding")
+    s.add_argument("--speculative-model", default=None, metavar="DRAFT",
+                   help="Draft model path, or '[ngram]' for prompt lookup.")
+    s.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K", help="Tokens drafted per step (k).")
+    s.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (vLLM form).')
+    s.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
+                   help="Turn speculation off while the running batch has at least this many sequences.")
+    s.add_argument("--speculative-model-quantization", default=None, choices=QUANTIZATION_CHOICES,
+                   help="The draft model's weight format (default: the same as --quantization).")
+    s.add_argument("--speculative-draft-vocab-size", type=int, default=None, metavar="N",
+                   help="Draft head scores only N frequent tokens plus each request's context (same output).")
+    s.add_argument("--speculative-token-map", default=None, metavar="FILE",
+                   help="Token ids, most frequent first, for the draft head (SGLang's flag; JSON or .pt).")
+    s.add_argument("--ngram-prompt-lookup-max", type=int, default=None, metavar="N")
+    s.add_argument("--ngram-prompt-lookup-min", type=int, default=None, metavar="N")
+
+
+def engine_kwargs_from_args(args: argparse.Namespace, model: str | None) -> dict[str, Any]:
+    """Engine keyword arguments from parsed flags (ValueError for a malformed --speculative-config)."""
+    kw: dict[str, Any] = {"model": model}
+    for name in ("max_num_seqs", "max_model_len", "dtype", "quantization", "seed", "max_waiting_requests",
+                 "speculative_model", "num_speculative_tokens", "speculative_disable_by_batch_size",
+                 "speculative_model_quantization", "compile", "speculative_draft_vocab_size",
+                 "speculative_token_map", "ngram_prompt_lookup_max", "ngram_prompt_lookup_min"):
+        v = getattr(args, name, None)
+        if v is not None:
+            kw[name] = v
+    sc = getattr(args, "speculative_config", None)
+    if sc:
+        try:
+            cfg = json.loads(sc)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config is not valid JSON ({e.msg}): {sc!r}") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"--speculative-config must be a JSON object, got {sc!r}.")
+        kw["speculative_config"] = cfg
+    if model is None and "speculative_config" not in kw and "speculative_model" not in kw:
+        kw = default_engine_kwargs(kw)
+    return kw
+
+
 def _fail(msg: str) -> None:
     print(f"specdecode serve: error: {msg}", file=sys.stderr)
     sys.exit(2)
@@ -606,10 +799,30 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+DEFAULT_LIMIT_CONCURRENCY = 1024  # open connections and requests; beyond it uvicorn answers 503 at once
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, but streams still running when the graceful-shutdown period is about to run out get
+    an error event and ``[DONE]`` (a non-streaming request, a 503) instead of being cut mid-response."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, grace: float):
+        super().__init__(config)
+        self.engine = engine
+        self.grace = grace
+
+    async def shutdown(self, sockets=None) -> None:
+        loop = asyncio.get_running_loop()
+        last_word = loop.call_later(max(0.0, self.grace - 1.0), self.engine.fail_in_flight,
+                                    "The server is shutting down; the request was not completed.")
+        try:
+            await super().shutdown(sockets)
+        finally:
+            last_word.cancel()
+
+
 def run_server(args: argparse.Namespace, model: str | None) -> None:
     """Loads the engine, then serves until SIGINT/SIGTERM. Bad settings: one line on stderr, exit code 2."""
-    import uvicorn
-
     host, port = getattr(args, "host", None) or "127.0.0.1", getattr(args, "port", None)
     port = 8000 if port is None else port
     if not (0 <= port <= 65535):
@@ -617,16 +830,21 @@ def run_server(args: argparse.Namespace, model: str | None) -> None:
     api_key = getattr(args, "api_key", None) or os.environ.get("SPECDECODE_API_KEY") or None
     try:
         kw = engine_kwargs_from_args(args, model)
-        app = build_app(kw, getattr(args, "served_model_name", None), api_key)
+        app = build_app(kw, getattr(args, "served_model_name", None), api_key,
+                        max_body_bytes=getattr(args, "max_request_body_bytes", None) or DEFAULT_MAX_BODY_BYTES,
+                        body_timeout=getattr(args, "request_body_timeout", None) or DEFAULT_BODY_TIMEOUT,
+                        metrics_require_key=bool(getattr(args, "metrics_require_key", False)))
     except (ValueError, OSError, FileNotFoundError) as e:
         _fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
     except KeyboardInterrupt:
         sys.exit(130)
     sock = _bind(host, port)
+    grace = getattr(args, "timeout_graceful_shutdown", None)
+    grace = 30.0 if grace is None else grace
     config = uvicorn.Config(app, log_level=getattr(args, "uvicorn_log_level", None) or "warning",
-                            timeout_graceful_shutdown=getattr(args, "timeout_graceful_shutdown", None) or 30.0,
-                            lifespan="on")
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=grace, lifespan="on", timeout_keep_alive=5,
+                            limit_concurrency=getattr(args, "limit_concurrency", None) or DEFAULT_LIMIT_CONCURRENCY)
+    server = _Server(config, app.state.engine, grace)
     host, port = sock.getsockname()[:2]
     print(f"specdecode: serving {app.state.server.names[0]} on http://{host}:{port} "
           f"(OpenAI API under /v1; Ctrl+C to stop)", file=sys.stderr, flush=True)

@@ -1,20 +1,40 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic v2).
 
 Requests accept the OpenAI fields plus vLLM's sampling extensions (top_k, min_p, repetition_penalty,
-stop_token_ids, ignore_eos, ...). Unknown fields are ignored, as vLLM does, so newer clients keep working.
+stop_token_ids, ignore_eos, ...). A field this server does not implement is rejected with a 400 that names
+it, never silently ignored: a client relying on it would otherwise get a quiet, wrong answer. Numbers must be
+finite (no NaN or Infinity) and text must be valid Unicode (no lone surrogates).
 """
 from __future__ import annotations
 
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from specdecode.sampling_params import SamplingParams
+from specdecode.sampling_params import SamplingParams, check_text
+
+
+def _check_strings(value: Any, path: str) -> None:
+    if isinstance(value, str):
+        check_text(value, path or "the request")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_strings(k, path or "a field name")
+            _check_strings(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_strings(v, f"{path}[{i}]")
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        _check_strings(data, "")
+        return data
 
 
 class _Response(BaseModel):

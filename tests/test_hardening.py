@@ -1,0 +1,381 @@
+"""One bad request never hurts the others: isolation in the engine step, validation, limits, queue semantics,
+auth, shutdown, and a malformed-input suite against the real server."""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from specdecode import SamplingParams
+from specdecode.engine.llm_engine import LLMEngine
+from specdecode.entrypoints.openai.api_server import build_app
+from test_server import MAX_LEN, MODEL, _err, _free_port, _server_cmd, serve
+
+MAX_WAITING = 4
+
+
+# ---------------------------------------------------------------- the engine step
+def _run(engine: LLMEngine, requests: dict[str, tuple[str, SamplingParams]]) -> dict:
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+    return outs
+
+
+def _poisoned(**bad) -> SamplingParams:
+    """Params that validation would reject, set after the fact: what reaches the sampler if a check is missed."""
+    p = SamplingParams(temperature=1.0, max_tokens=8, seed=5)
+    for k, v in bad.items():
+        setattr(p, k, v)
+    return p
+
+
+@pytest.mark.parametrize("spec", [{"speculative_model": "[ngram]", "num_speculative_tokens": 3}, "draft"])
+@pytest.mark.parametrize("bad", [{"temperature": math.nan}, {"repetition_penalty": 1e-39},
+                                 {"repetition_penalty": math.nan}])
+def test_a_bad_request_fails_alone_in_a_running_batch(tiny_models, tiny_draft, spec, bad):
+    if spec == "draft":
+        spec = {"speculative_model": str(tiny_draft), "num_speculative_tokens": 3}
+    engine = LLMEngine.from_kwargs(model=str(tiny_models["llama"]), max_model_len=256, max_num_seqs=8, **spec)
+    good = {f"g{i}": (f"prompt number {i} says", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+            for i in range(3)}
+    good |= {f"s{i}": (f"sampled {i} goes", SamplingParams(temperature=0.8, seed=i, max_tokens=20, ignore_eos=True))
+             for i in range(3)}
+    alone = {rid: _run(engine, {rid: req})[rid].outputs[0].token_ids for rid, req in good.items()}
+    # the bad request joins a batch whose streams are already decoding
+    for rid, (prompt, params) in good.items():
+        engine.add_request(rid, prompt, params)
+    engine.step()
+    engine.step()
+    engine.add_request("bad", "poison", _poisoned(**bad))
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+    if math.isnan(bad.get("temperature", 0)) or math.isnan(bad.get("repetition_penalty", 0)):
+        assert outs["bad"].outputs[0].finish_reason == "error" and "SamplingError" in outs["bad"].error
+    else:  # a penalty of 1e-39 overflows only where a seen token has a large enough logit
+        assert outs["bad"].outputs[0].finish_reason in ("error", "length")
+    for rid in good:
+        assert outs[rid].error is None and outs[rid].outputs[0].token_ids == alone[rid], rid
+    # and the engine goes on serving
+    assert _run(engine, {"after": good["g0"]})["after"].outputs[0].token_ids == alone["g0"]
+
+
+# ---------------------------------------------------------------- a real server with limits
+@pytest.fixture(scope="module")
+def hard_kwargs(tiny_models):
+    return {"model": str(tiny_models["llama"]), "speculative_model": "[ngram]", "num_speculative_tokens": 3,
+            "max_model_len": MAX_LEN, "max_num_seqs": 8, "max_waiting_requests": MAX_WAITING}
+
+
+BODY_LIMIT = 256 * 1024
+
+
+@pytest.fixture(scope="module")
+def url(hard_kwargs):
+    with serve(build_app(hard_kwargs, MODEL, None, max_body_bytes=BODY_LIMIT, body_timeout=2.0)) as u:
+        yield u
+
+
+REFERENCE = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
+
+
+def _stream_tokens(url: str, prompt: str, max_tokens: int, gaps: list | None = None) -> str:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    text, last = [], None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            now = time.perf_counter()
+            if gaps is not None and last is not None:
+                gaps.append(now - last)
+            last = now
+            ev = json.loads(line[6:])
+            assert "error" not in ev, ev
+            text.append(ev["choices"][0]["text"])
+    return "".join(text)
+
+
+STREAM_PROMPTS = [f"stream {i} begins with" for i in range(6)]
+
+
+@pytest.mark.parametrize("bad", [{"temperature": "NaN"}, {"temperature": 1, "repetition_penalty": 1e-39},
+                                 {"temperature": 1, "repetition_penalty": "NaN"}])
+def test_bad_request_among_six_streams(url, bad):
+    alone = [_stream_tokens(url, p, 40) for p in STREAM_PROMPTS]
+    with ThreadPoolExecutor(6) as pool:
+        futs = [pool.submit(_stream_tokens, url, p, 40) for p in STREAM_PROMPTS]
+        time.sleep(0.3)
+        body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 4, **bad}).replace('"NaN"', "NaN")
+        err = _err(httpx.post(f"{url}/v1/completions", content=body, headers={"content-type": "application/json"}),
+                   400)
+        assert err["param"] in bad
+        assert [f.result(timeout=120) for f in futs] == alone
+
+
+def test_n_beyond_the_waiting_limit_is_400_and_idle_server_takes_eight(url):
+    err = _err(httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "n": 5}), 400)
+    assert "waiting limit" in err["message"]
+    # 8 concurrent requests on an idle server with 8 slots and a waiting limit of 4: all admitted
+    with ThreadPoolExecutor(8) as pool:
+        rs = list(pool.map(lambda i: httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": f"request {i}", "max_tokens": 8}), range(8)))
+    assert [r.status_code for r in rs] == [200] * 8, [r.text for r in rs if r.status_code != 200]
+
+
+def test_huge_prompt_is_rejected_fast_without_stalling_streams(tiny_models):
+    """Default limits, the real server process: a 20 MB prompt gets its error in well under 2 s, and running
+    streams see no gap near that long; a prompt under the body limit but too long for the context is refused
+    before it is tokenized."""
+    port = _free_port()
+    proc = subprocess.Popen(_server_cmd("--model", str(tiny_models["llama"]), "--speculative-model", "[ngram]",
+                                        "--num-speculative-tokens", "3", "--port", str(port), "--max-model-len",
+                                        str(MAX_LEN), "--served-model-name", MODEL),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(proc, url)
+        gaps: list[float] = []
+        with ThreadPoolExecutor(3) as pool, httpx.Client(timeout=60) as h:
+            futs = [pool.submit(_stream_tokens, url, f"story {i}", 200, gaps) for i in range(2)]
+            time.sleep(0.5)
+            for prompt, status in (("ab" * 10 * 1024 * 1024, 413), ("ab" * 2 * 1024 * 1024, 400)):
+                payload = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 4}).encode()
+                t0 = time.perf_counter()
+                r = h.post(f"{url}/v1/completions", content=payload, headers={"content-type": "application/json"})
+                took = time.perf_counter() - t0
+                _err(r, status)
+                assert took < 2.0, (status, took)
+            for f in futs:
+                f.result(timeout=120)
+        assert gaps and max(gaps) < 2.0, max(gaps)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str) -> None:
+    deadline = time.time() + 90
+    while True:
+        assert proc.poll() is None, proc.communicate()[1]
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.1)
+
+
+def test_shutdown_deadline_ends_streams_with_an_error_event(tiny_models):
+    port = _free_port()
+    proc = subprocess.Popen(_server_cmd("--model", str(tiny_models["llama"]), "--speculative-model", "[ngram]",
+                                        "--num-speculative-tokens", "3", "--port", str(port), "--max-model-len",
+                                        str(MAX_LEN), "--served-model-name", MODEL, "--timeout-graceful-shutdown",
+                                        "1.5", "--max-num-seqs", "1"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(proc, url)
+        # one slow stream: each of many tokens is one step, far longer than the grace period
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": MAX_LEN - 20, "stream": True,
+                "ignore_eos": True, "temperature": 1.0, "seed": 1}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
+            lines = resp.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]", rest[-3:]
+        last = json.loads(rest[-2][6:])
+        assert "error" in last or last["choices"][-1]["finish_reason"] == "length"
+        assert proc.wait(timeout=30) == 0
+        stderr = proc.stderr.read()
+        assert "Traceback" not in stderr, stderr
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_auth_is_constant_time_and_covers_the_schema(hard_kwargs):
+    with serve(build_app(hard_kwargs, MODEL, "sekret")) as u:
+        _err(httpx.get(f"{u}/openapi.json"), 401, "invalid_api_key")
+        assert httpx.get(f"{u}/metrics").status_code == 200  # open by default, as in vLLM
+        assert httpx.get(f"{u}/health").status_code == 200
+        schema = httpx.get(f"{u}/openapi.json", headers={"Authorization": "Bearer sekret"}).json()
+        responses = schema["paths"]["/v1/completions"]["post"]["responses"]
+        assert "422" not in responses and "400" in responses
+    with serve(build_app(hard_kwargs, MODEL, "sekret", metrics_require_key=True)) as u:
+        _err(httpx.get(f"{u}/metrics"), 401)
+        assert httpx.get(f"{u}/metrics", headers={"Authorization": "Bearer sekret"}).status_code == 200
+
+
+def test_no_content_type_is_json_and_slow_body_times_out(url):
+    r = httpx.post(f"{url}/v1/completions", content=json.dumps(REFERENCE).encode(), headers={"content-type": ""})
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{url}/v1/completions", content=json.dumps(REFERENCE).encode(),
+                   headers={"content-type": "application/x-www-form-urlencoded"})  # what curl -d sends
+    assert r.status_code == 200, r.text
+
+    def slow():
+        yield b'{"model": "tiny-llama", '
+        time.sleep(3.0)  # the test server's body timeout is 2 s
+        yield b'"prompt": "x"}'
+    with contextlib.suppress(httpx.HTTPError):  # the server may close before the client is done sending
+        r = httpx.post(f"{url}/v1/completions", content=slow(), headers={"content-type": "application/json"},
+                       timeout=10)
+        _err(r, 408, "request_timeout")
+
+
+# ---------------------------------------------------------------- the malformed-input suite
+C, CH = "/v1/completions", "/v1/chat/completions"
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def _raw(path: str, text: str | bytes, status: int, headers: dict | None = None):
+    return (path, text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass"), status, headers)
+
+
+def _json(path: str, body: dict, status: int = 400):
+    text = json.dumps({"model": MODEL, **body}, allow_nan=True)
+    return _raw(path, text, status)
+
+
+MALFORMED = [
+    # non-finite and out-of-range numbers
+    _raw(C, '{"prompt": "x", "temperature": NaN}', 400),
+    _raw(C, '{"prompt": "x", "temperature": Infinity}', 400),
+    _raw(C, '{"prompt": "x", "temperature": -Infinity}', 400),
+    _raw(C, '{"prompt": "x", "temperature": 1e400}', 400),
+    _json(C, {"prompt": "x", "temperature": -1}),
+    _json(C, {"prompt": "x", "temperature": "hot"}),
+    _json(C, {"prompt": "x", "top_p": 0}),
+    _json(C, {"prompt": "x", "top_p": 1.5}),
+    _raw(C, '{"prompt": "x", "top_p": NaN}', 400),
+    _json(C, {"prompt": "x", "top_k": -5}),
+    _json(C, {"prompt": "x", "top_k": 1.5}),
+    _json(C, {"prompt": "x", "min_p": 2}),
+    _raw(C, '{"prompt": "x", "min_p": NaN}', 400),
+    _json(C, {"prompt": "x", "presence_penalty": 3}),
+    _json(C, {"prompt": "x", "frequency_penalty": -3}),
+    _raw(C, '{"prompt": "x", "frequency_penalty": Infinity}', 400),
+    _json(C, {"prompt": "x", "repetition_penalty": 0}),
+    _json(C, {"prompt": "x", "repetition_penalty": -1}),
+    _raw(C, '{"prompt": "x", "repetition_penalty": NaN, "temperature": 0}', 400),
+    _raw(C, '{"prompt": "x", "repetition_penalty": Infinity}', 400),
+    _json(C, {"prompt": "x", "repetition_penalty": 1e-39, "temperature": 1}),
+    _json(C, {"prompt": "x", "repetition_penalty": 1e39}),
+    _json(C, {"prompt": "x", "max_tokens": 0}),
+    _json(C, {"prompt": "x", "max_tokens": -1}),
+    _json(C, {"prompt": "x", "max_tokens": "ten"}),
+    _json(C, {"prompt": "x", "max_tokens": 1.5}),
+    _json(C, {"prompt": "x", "n": 0}),
+    _json(C, {"prompt": "x", "n": 100}),
+    _json(C, {"prompt": "x", "n": MAX_WAITING + 1}),
+    _json(C, {"prompt": "x", "seed": 2 ** 70}),
+    _json(C, {"prompt": "x", "seed": "x"}),
+    _json(C, {"prompt": "x", "logprobs": 21}),
+    _json(C, {"prompt": "x", "logprobs": -1}),
+    # text
+    _json(C, {"prompt": "x", "stop": [""]}),
+    _json(C, {"prompt": "x", "stop": 5}),
+    _raw(C, '{"prompt": "x", "stop": ["a\\ud800"]}', 400),
+    _json(C, {"prompt": "x", "stop_token_ids": [-1]}),
+    _raw(C, '{"prompt": "ab\\ud800cd"}', 400),
+    _raw(C, '{"prompt": ["ok", "ab\\udfffcd"]}', 400),
+    _raw(C, '{"prompt": "x", "model": "\\ud800"}', 400),
+    # prompts
+    _json(C, {"prompt": []}),
+    _json(C, {"prompt": [[]]}),
+    _json(C, {"prompt": [-1]}),
+    _json(C, {"prompt": [10 ** 9]}),
+    _json(C, {"prompt": [1.5]}),
+    _json(C, {"prompt": None}),
+    _json(C, {"max_tokens": 3}),
+    _json(C, {"prompt": {"a": 1}}),
+    _json(C, {"prompt": [5] * (MAX_LEN + 10)}),
+    _json(C, {"prompt": "x", "model": "gpt-9"}, 404),
+    # fields we do not implement are refused by name, never ignored
+    _json(C, {"prompt": "x", "tools": []}),
+    _json(C, {"prompt": "x", "response_format": {"type": "json_object"}}),
+    _json(C, {"prompt": "x", "frobnicate": True}),
+    _json(C, {"prompt": "x", "logit_bias": {"1": 5}}),
+    _json(C, {"prompt": "x", "suffix": "y"}),
+    _json(C, {"prompt": "x", "best_of": 3}),
+    _json(C, {"prompt": "x", "echo": "maybe"}),
+    # bodies
+    _raw(C, "{", 400),
+    _raw(C, "[]", 400),
+    _raw(C, "null", 400),
+    _raw(C, "", 400),
+    _raw(C, b"\xff\xfe\x00", 400),
+    _raw(C, "[" * 50000 + "]" * 50000, 400),
+    _raw(C, json.dumps({"prompt": "x" * (BODY_LIMIT + 10)}), 413),
+    # chat
+    _json(CH, {"messages": []}),
+    _json(CH, {}),
+    _json(CH, {"messages": "hi"}),
+    _json(CH, {"messages": [{"content": "no role"}]}),
+    _raw(CH, '{"messages": [{"role": "user", "content": "a\\ud800"}]}', 400),
+    _raw(CH, '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}', 400),
+    _json(CH, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
+    _raw(CH, '{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400),
+    _json(CH, {"messages": MSG, "top_logprobs": 5}),
+    _json(CH, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}),
+    _json(CH, {"messages": MSG, "tool_choice": "auto"}),
+    _json(CH, {"messages": MSG, "response_format": {"type": "json_object"}}),
+    _json(CH, {"messages": MSG, "max_completion_tokens": 0}),
+    _json(CH, {"messages": MSG, "seed": -(2 ** 64)}),
+    # routes and methods
+    ("/v1/completions", None, 405, None),
+    ("/v1/nothing-here", b"{}", 404, None),
+    ("/v1/models", b"{}", 405, None),
+]
+
+
+def test_the_suite_is_big_enough():
+    assert len(MALFORMED) >= 60
+
+
+@pytest.fixture(scope="module")
+def reference(url):
+    r = httpx.post(f"{url}/v1/completions", json=REFERENCE, timeout=60)
+    assert r.status_code == 200
+    return r.json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("path,content,status,headers", MALFORMED,
+                         ids=[f"{i}-{m[0].rsplit('/', 1)[-1]}-{m[2]}" for i, m in enumerate(MALFORMED)])
+def test_malformed_input(url, reference, path, content, status, headers):
+    h = {"content-type": "application/json", **(headers or {})}
+    if content is None:
+        r = httpx.get(f"{url}{path}", timeout=30)
+    else:
+        r = httpx.post(f"{url}{path}", content=content, headers=h, timeout=30)
+    err = _err(r, status)
+    assert err["type"] == "invalid_request_error"
+    # nothing it did touched anyone else
+    assert httpx.get(f"{url}/health").status_code == 200
+    again = httpx.post(f"{url}/v1/completions", json=REFERENCE, timeout=60)
+    assert again.status_code == 200 and again.json()["choices"][0]["text"] == reference
+
+
+def test_openai_client_sees_400s(url):
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError, match="repetition_penalty"):
+        client.completions.create(model=MODEL, prompt="x", temperature=1, extra_body={"repetition_penalty": 1e-39})
