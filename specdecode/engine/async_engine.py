@@ -44,12 +44,9 @@ class RequestFailedError(RuntimeError):
 
 
 def default_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The ``LLM`` convention: no model and no speculative settings means the embedded default pair."""
-    kw = dict(kwargs)
-    if kw.get("model") is None and kw.get("speculative_model") is None and kw.get("speculative_config") is None:
-        kw["speculative_model"] = "default"
-        kw["num_speculative_tokens"] = kw.get("num_speculative_tokens") or 4
-    return kw
+    """The keyword arguments as ``LLM`` takes them. Defaults (the ``fast`` preset, with the embedded default pair
+    when no model is given) are filled in by ``EngineConfig.from_kwargs``, the one place that does so."""
+    return dict(kwargs)
 
 
 class _Stream:

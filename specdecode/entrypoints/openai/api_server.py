@@ -29,17 +29,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specdecode.config import QUANTIZATION_CHOICES
 from specdecode.engine.async_engine import (AsyncLLMEngine, EngineDeadError, EngineStepError, RequestFailedError,
-                                            RequestStream, default_engine_kwargs)
+                                            RequestStream)
 from specdecode.engine.llm_engine import LLMEngine
 from specdecode.engine.scheduler import QueueFullError
+from specdecode.entrypoints.openai.cli_args import (DEFAULT_BODY_TIMEOUT, DEFAULT_LIMIT_CONCURRENCY,
+                                                    DEFAULT_MAX_BODY_BYTES, add_server_args, engine_kwargs_from_args)
 from specdecode.entrypoints.openai.metrics import ServerMetrics
 from specdecode.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                                     ChatCompletionResponse, ChatLogprobs, ChatResponseMessage,
                                                     ChatStreamChoice, CompletionChoice, CompletionChunk,
                                                     CompletionLogprobs, CompletionRequest, CompletionResponse,
-                                                    DeltaMessage, ErrorResponse, ModelCard, ModelList, SpecDecodeSummary,
+                                                    DeltaMessage, ErrorResponse, ModelCard, ModelList,
+                                                    SpecDecodeSummary,
                                                     TokenLogprob, TopLogprob, UsageInfo)
 from specdecode.outputs import CompletionOutput, RequestOutput
 from specdecode.sampling_params import SamplingParams
@@ -453,8 +455,6 @@ class OpenAIServer:
 
 
 # ====================================================================== app
-DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
-DEFAULT_BODY_TIMEOUT = 30.0
 _DRAIN_FACTOR, _DRAIN_BYTES = 4, 64 * 1024 * 1024  # how much of an oversized body is read only to be dropped
 _JSON_LIKE = (b"", b"application/x-www-form-urlencoded", b"text/plain")
 
@@ -706,81 +706,6 @@ def build_app(engine_kwargs: dict | None = None, served_model_name: str | list[s
 
 
 # ====================================================================== command line
-def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """The server's flags, under vLLM's names (the model itself is added by the caller)."""
-    g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", metavar="HOST",
-                   help="Interface to bind (default 127.0.0.1; 0.0.0.0 for all).")
-    g.add_argument("--port", type=int, default=8000, metavar="PORT", help="Port to listen on (default 8000).")
-    g.add_argument("--api-key", default=None, metavar="KEY",
-                   help="Require 'Authorization: Bearer KEY' on /v1/* (default: $SPECDECODE_API_KEY, or none).")
-    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="Model name(s) clients use in the 'model' field (default: the model argument).")
-    g.add_argument("--uvicorn-log-level", default="warning",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
-    g.add_argument("--timeout-graceful-shutdown", type=float, default=30.0, metavar="SECONDS",
-                   help="Seconds in-flight requests get to finish after SIGINT/SIGTERM (default 30); streams "
-                        "still running then end with an error event.")
-    g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
-                   help=f"Larger request bodies get HTTP 413 before they are read (default {DEFAULT_MAX_BODY_BYTES}).")
-    g.add_argument("--request-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT, metavar="SECONDS",
-                   help="A request body that stalls this long gets HTTP 408 (default 30).")
-    g.add_argument("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY, metavar="N",
-                   help=f"Open connections beyond this get HTTP 503 at once (default {DEFAULT_LIMIT_CONCURRENCY}).")
-    g.add_argument("--metrics-require-key", action="store_true",
-                   help="Put /metrics behind --api-key too (default: open, as in vLLM; /health is always open).")
-    e = parser.add_argument_group("engine")
-    e.add_argument("--max-num-seqs", type=int, default=None, metavar="N", help="Running batch size (cache slots).")
-    e.add_argument("--max-model-len", type=int, default=None, metavar="N", help="Context length (prompt + output).")
-    e.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
-    e.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES)
-    e.add_argument("--seed", type=int, default=None, metavar="N")
-    e.add_argument("--compile", action="store_true", default=None,
-                   help="torch.compile the decode / verification layers where they run in Python.")
-    e.add_argument("--max-waiting-requests", type=int, default=None, metavar="N",
-                   help="Waiting-queue limit; requests beyond it get HTTP 503.")
-    s = parser.add_argument_group("speculative decoding")
-    s.add_argument("--speculative-model", default=None, metavar="DRAFT",
-                   help="Draft model path, or '[ngram]' for prompt lookup.")
-    s.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K", help="Tokens drafted per step (k).")
-    s.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (vLLM form).')
-    s.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
-                   help="Turn speculation off while the running batch has at least this many sequences.")
-    s.add_argument("--speculative-model-quantization", default=None, choices=QUANTIZATION_CHOICES,
-                   help="The draft model's weight format (default: the same as --quantization).")
-    s.add_argument("--speculative-draft-vocab-size", type=int, default=None, metavar="N",
-                   help="Draft head scores only N frequent tokens plus each request's context (same output).")
-    s.add_argument("--speculative-token-map", default=None, metavar="FILE",
-                   help="Token ids, most frequent first, for the draft head (SGLang's flag; JSON or .pt).")
-    s.add_argument("--ngram-prompt-lookup-max", type=int, default=None, metavar="N")
-    s.add_argument("--ngram-prompt-lookup-min", type=int, default=None, metavar="N")
-
-
-def engine_kwargs_from_args(args: argparse.Namespace, model: str | None) -> dict[str, Any]:
-    """Engine keyword arguments from parsed flags (ValueError for a malformed --speculative-config)."""
-    kw: dict[str, Any] = {"model": model}
-    for name in ("max_num_seqs", "max_model_len", "dtype", "quantization", "seed", "max_waiting_requests",
-                 "speculative_model", "num_speculative_tokens", "speculative_disable_by_batch_size",
-                 "speculative_model_quantization", "compile", "speculative_draft_vocab_size",
-                 "speculative_token_map", "ngram_prompt_lookup_max", "ngram_prompt_lookup_min"):
-        v = getattr(args, name, None)
-        if v is not None:
-            kw[name] = v
-    sc = getattr(args, "speculative_config", None)
-    if sc:
-        try:
-            cfg = json.loads(sc)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--speculative-config is not valid JSON ({e.msg}): {sc!r}") from None
-        if not isinstance(cfg, dict):
-            raise ValueError(f"--speculative-config must be a JSON object, got {sc!r}.")
-        kw["speculative_config"] = cfg
-    if model is None and "speculative_config" not in kw and "speculative_model" not in kw:
-        kw = default_engine_kwargs(kw)
-    return kw
-
-
 def _fail(msg: str) -> None:
     print(f"specdecode serve: error: {msg}", file=sys.stderr)
     sys.exit(2)
@@ -797,9 +722,6 @@ def _bind(host: str, port: int) -> socket.socket:
         _fail(f"cannot listen on {host}:{port}: {e.strerror or e}.")
     sock.set_inheritable(True)
     return sock
-
-
-DEFAULT_LIMIT_CONCURRENCY = 1024  # open connections and requests; beyond it uvicorn answers 503 at once
 
 
 class _Server(uvicorn.Server):

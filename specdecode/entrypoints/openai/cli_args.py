@@ -10,6 +10,11 @@ from typing import Any
 from specdecode import options
 
 
+DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
+DEFAULT_BODY_TIMEOUT = 30.0
+DEFAULT_LIMIT_CONCURRENCY = 1024  # open connections and requests; beyond it uvicorn answers 503 at once
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     """The server's flags (the model itself is added by the caller)."""
     g = parser.add_argument_group("server")
@@ -23,7 +28,16 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     g.add_argument("--timeout-graceful-shutdown", type=float, default=30.0, metavar="SECONDS",
-                   help="Seconds in-flight requests get to finish after SIGINT/SIGTERM (default 30).")
+                   help="Seconds in-flight requests get to finish after SIGINT/SIGTERM (default 30); streams "
+                        "still running then end with an error event.")
+    g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+                   help=f"Larger request bodies get HTTP 413 before they are parsed (default {DEFAULT_MAX_BODY_BYTES}).")
+    g.add_argument("--request-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT, metavar="SECONDS",
+                   help="A request body that stalls this long gets HTTP 408 (default 30).")
+    g.add_argument("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY, metavar="N",
+                   help=f"Open connections beyond this get HTTP 503 at once (default {DEFAULT_LIMIT_CONCURRENCY}).")
+    g.add_argument("--metrics-require-key", action="store_true",
+                   help="Put /metrics behind --api-key too (default: open, as in vLLM; /health is always open).")
     r = parser.add_argument_group("ray serve")
     r.add_argument("--ray", action="store_true",
                    help="Serve through Ray Serve, with --num-replicas engine replicas (pip install 'specdecode[ray]').")
