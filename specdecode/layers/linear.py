@@ -30,6 +30,35 @@ def row_invariant(enabled: bool = True):
         _state.on = prev
 
 
+# Rows packed per pack_linear call: its temporaries (int16 / int8 copies, the interleave) scale with the rows it
+# is given, so a 150k-row head is packed a slice at a time into its final buffers. A multiple of the kernels'
+# 16-channel groups; every format quantizes each row on its own, so the bytes do not depend on the slicing.
+PACK_ROWS = 8192
+
+
+def pack_in_chunks(weight: torch.Tensor, fmt: str, rows: int = PACK_ROWS) -> kernels.PackedLinear:
+    """``kernels.pack_linear(weight, fmt)``, bitwise, with temporary memory bounded by ``rows`` rows."""
+    N, K = weight.shape
+    if N <= rows or fmt == "fp32":
+        return kernels.pack_linear(weight, fmt)
+    if rows % kernels.W8A8_GROUP:
+        raise ValueError(f"pack_in_chunks: rows must be a multiple of {kernels.W8A8_GROUP}")
+    grouped = fmt in kernels.INT_ACTS  # leading dim counts 16-channel groups, not channels
+    unit_w = kernels.W8A8_GROUP if grouped else 1
+    unit_s = kernels.W8A8_GROUP if fmt == "w4a8" else 1
+    weight_out = scale_out = None
+    for n0 in range(0, N, rows):
+        part = kernels.pack_linear(weight[n0:n0 + rows], fmt)
+        if weight_out is None:
+            weight_out = part.weight.new_empty((-(-N // unit_w), *part.weight.shape[1:]))
+            if part.scale is not None:
+                scale_out = part.scale.new_empty((-(-N // unit_s), *part.scale.shape[1:]))
+        weight_out[n0 // unit_w:n0 // unit_w + part.weight.shape[0]] = part.weight
+        if scale_out is not None:
+            scale_out[n0 // unit_s:n0 // unit_s + part.scale.shape[0]] = part.scale
+    return kernels.PackedLinear(fmt, weight_out, scale_out, K, N)
+
+
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -70,7 +99,7 @@ class Linear(nn.Module):
         fmt = quantization if quantization in kernels.QUANTIZED else {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(
             self.weight.dtype, "fp32")
         w = self.weight.data if fmt != "fp32" or self.weight.dtype == torch.float32 else self.weight.data.float()
-        self.packed = kernels.pack_linear(w, fmt)
+        self.packed = kernels.pack_linear(w, fmt) if fmt == "fp32" else pack_in_chunks(w, fmt)
         if self.bias is not None:
             self.bias.data = self.bias.data.float()
         if fmt != "fp32":

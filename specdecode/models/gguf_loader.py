@@ -96,6 +96,27 @@ class GGUFModel:
         t = flat.reshape(tuple(reversed(ref.dims)))
         return t if ref.transform is None else ref.transform(t).contiguous()
 
+    def raw_rows(self, hf_name: str) -> tuple[str, torch.Tensor]:
+        """A 2-D tensor as stored, copied out of the file: ("dense", a float [rows, row_len] tensor) for F32, F16
+        and BF16, else (GGML type name, uint8 [rows, row_bytes] blocks). ``load_tensor`` is the same data
+        dequantized, and ``dequantize`` decodes any subset of these rows to exactly the same values."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        ref = self._ref(hf_name)
+        if self._mm is None:
+            raise ValueError(f"{self.path} has been closed; call read_gguf() again.")
+        if len(ref.dims) != 2 or ref.transform is not None:
+            raise ValueError(f"raw_rows: tensor {ref.gguf_name} is not a plain 2-D table")
+        qt = GGMLQuantizationType(ref.qtype)
+        block, type_size = GGML_QUANT_SIZES[qt]
+        rows, row_bytes = ref.dims[1], ref.dims[0] // block * type_size
+        raw = torch.from_numpy(np.frombuffer(self._mm, dtype=np.uint8, count=ref.nbytes, offset=ref.offset).copy())
+        dense = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16,
+                 GGMLQuantizationType.BF16: torch.bfloat16}.get(qt)
+        if dense is not None:
+            return "dense", raw.view(dense).reshape(rows, ref.dims[0])
+        return qt.name, raw.reshape(rows, row_bytes)
+
     def close(self) -> None:
         if self._mm is not None:
             try:
@@ -460,9 +481,80 @@ def read_gguf(path: str | os.PathLike) -> GGUFModel:
     return GGUFModel(str(p), config, meta, hf_refs, mm)
 
 
-def load_gguf_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerFast:
+def load_gguf_tokenizer(path: str | os.PathLike, cache: bool | None = None) -> PreTrainedTokenizerFast:
     """A transformers fast tokenizer built from the GGUF's metadata (no hub access), with its chat template,
-    BOS, EOS and padding tokens set from that metadata."""
+    BOS, EOS and padding tokens set from that metadata.
+
+    Building it converts the whole vocabulary, which takes seconds; the result is saved (tokenizer.json and its
+    config) beside the packed-weight cache, keyed by the file's path, size and mtime, and later calls load that.
+    ``cache`` False, or ``$SPECDECODE_PACKED_CACHE=0``, skips the cache."""
+    from specdecode.models import packed_cache
+
+    p = Path(path)
+    if not p.is_file() or not (packed_cache.enabled() if cache is None else cache):
+        return _build_gguf_tokenizer(p)
+    import hashlib
+    import json
+    import logging
+    import shutil
+
+    from transformers import PreTrainedTokenizerFast
+
+    ident = json.dumps([_TOKENIZER_CACHE_VERSION, packed_cache.source_identity(p)])
+    folder = packed_cache.cache_root().parent / "tokenizers" / (
+        f"{p.name.removesuffix('.gguf')}.{hashlib.sha256(ident.encode()).hexdigest()[:16]}")
+    done = folder / "identity.json"
+    if done.is_file():
+        try:
+            if done.read_text() != ident:
+                raise ValueError("its identity file does not match")
+            tok = _load_saved_tokenizer(folder)
+            tok.name_or_path = str(p)
+            return tok
+        except Exception as e:  # a damaged folder: rebuild it
+            logging.getLogger("specdecode").warning("Cached tokenizer %s is unusable (%s: %s); rebuilding it.",
+                                                    folder, type(e).__name__, str(e)[:200])
+            shutil.rmtree(folder, ignore_errors=True)
+    tok = _build_gguf_tokenizer(p)
+    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
+    try:
+        tok.save_pretrained(str(tmp))
+        (tmp / "identity.json").write_text(ident)  # written last: marks the folder complete
+        try:
+            os.rename(tmp, folder)
+        except OSError:  # another process got there first (or a stale folder is in the way)
+            if not done.is_file():
+                shutil.rmtree(folder, ignore_errors=True)
+                os.rename(tmp, folder)
+    except OSError:
+        pass  # the cache is an optimisation: a read-only or full disk only costs the rebuild next time
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    tok.name_or_path = str(p)
+    return tok
+
+
+_TOKENIZER_CACHE_VERSION = 1
+_NOT_INIT_KWARGS = {"added_tokens_decoder", "tokenizer_class", "backend", "is_local", "local_files_only",
+                    "name_or_path", "auto_map"}
+
+
+def _load_saved_tokenizer(folder: Path) -> PreTrainedTokenizerFast:
+    """What ``save_pretrained`` wrote, with tokenizer.json parsed once (by the tokenizers library): from_pretrained
+    also parses it in Python, and passing a tokenizer_object deep-copies it."""
+    import json
+
+    from transformers import PreTrainedTokenizerFast
+
+    kwargs = {k: v for k, v in json.loads((folder / "tokenizer_config.json").read_text()).items()
+              if k not in _NOT_INIT_KWARGS}
+    template = folder / "chat_template.jinja"
+    if template.is_file():
+        kwargs["chat_template"] = template.read_text()
+    return PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), **kwargs)
+
+
+def _build_gguf_tokenizer(path: Path) -> PreTrainedTokenizerFast:
     p, mm, meta, _ = _open(path)
     mm.close()
     tokens = meta.get("tokenizer.ggml.tokens")

@@ -9,9 +9,14 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
+import torch.nn as nn
 
-from specdecode.models.model import FAMILIES, CausalLM, family_of
+from specdecode.layers import kernels
+from specdecode.layers.embedding import DENSE, PackedEmbedding
 from specdecode.layers.linear import Linear
+from specdecode.layers.rotary import Rotary
+from specdecode.models import packed_cache as pc
+from specdecode.models.model import FAMILIES, CausalLM, family_of
 
 logger = logging.getLogger("specdecode")
 
@@ -81,28 +86,200 @@ def _hf_tensors(path: Path) -> tuple[dict, list[str], Callable[[str], torch.Tens
 
 
 def _gguf_tensors(path: Path) -> tuple[dict, list[str], Callable[[str], torch.Tensor]]:
-    from specdecode.models.gguf_loader import read_gguf
-
-    g = read_gguf(path)
+    g = _open_gguf(path)
     return g.config, g.tensor_names(), g.load_tensor
 
 
+def _open_gguf(path: Path):
+    from specdecode.models.gguf_loader import read_gguf
+
+    return read_gguf(path)
+
+
+def weight_format(dtype: str, device: str, quantization: str | None) -> str:
+    """The packed format a CPU model's linears get: the quantization, else fp32 / bf16 from the dtype."""
+    if quantization:
+        return quantization
+    d = _DTYPES.get(dtype, torch.float32)
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(d, "fp32") if device == "cpu" else str(d)
+
+
 def load_model(path: Path, dtype: str, device: str, max_model_len: int | None,
-               quantization: str | None) -> LoadedModel:
-    """max_model_len None means the model's own limit, capped at 4096 to bound the KV cache."""
+               quantization: str | None, packed_cache: bool | None = None) -> LoadedModel:
+    """max_model_len None means the model's own limit, capped at 4096 to bound the KV cache.
+
+    On CPU the converted (packed) weights are cached on disk (models/packed_cache.py) unless ``packed_cache`` is
+    False or ``$SPECDECODE_PACKED_CACHE=0``: the first load converts and writes the entry, later loads
+    memory-map it."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"Model path {path} does not exist; pass an HF directory or a .gguf file.")
+    use_cache = torch.device(device).type == "cpu" and (pc.enabled() if packed_cache is None else packed_cache)
+    if not use_cache:
+        return _convert(path, dtype, device, max_model_len, quantization)
+    # On CPU the dtype never depends on the config ("auto" is float32), so the key needs no header parse.
+    fmt = weight_format(dtype if dtype != "auto" else "float32", "cpu", quantization)
+    key = pc.make_key(path, fmt, str(resolve_dtype(dtype, {}, "cpu")).removeprefix("torch."))
+    final = pc.entry_path(path, key)
+    entry = pc.open_entry(final, key)
+    if entry is None:
+        entry = _convert_and_store(path, dtype, device, max_model_len, quantization, final, key, fmt)
+        if isinstance(entry, LoadedModel):  # the cache could not be written: use the in-memory model
+            return entry
+    try:
+        return _from_entry(entry, path, device, max_model_len)
+    except _BadEntry as e:
+        logger.warning("Packed-weight cache entry %s is unusable: %s; deleting it and converting again.",
+                       entry.path, e)
+        pc._unlink(entry.path)
+        del entry
+        return load_model(path, dtype, device, max_model_len, quantization, packed_cache=False)
+
+
+def _convert_and_store(path: Path, dtype: str, device: str, max_model_len: int | None, quantization: str | None,
+                       final: Path, key: dict, fmt: str) -> "pc.Entry | LoadedModel":
+    _notice(f"specdecode: converting {path.name} to {fmt} once; later runs map the result from {final.parent}")
+    loaded = _convert(path, dtype, device, max_model_len, quantization, f"Converting {path.name} to {fmt}")
+    meta, tensors, lazy = _packed_state(loaded)
+    try:
+        return pc.write_entry(final, key, meta, tensors, lazy)
+    except OSError as e:
+        logger.warning("Could not write the packed-weight cache entry %s (%s); using the converted model without "
+                       "caching it. Set SPECDECODE_CACHE to a writable directory with free space.", final,
+                       e.strerror or e)
+        return loaded
+
+
+def _notice(msg: str) -> None:
+    """A one-time, long step: said on the terminal (and logged)."""
+    logger.info(msg)
+    if sys.stderr.isatty() and not logging.getLogger("specdecode").isEnabledFor(logging.INFO):
+        print(msg, file=sys.stderr, flush=True)
+
+
+class _BadEntry(Exception):
+    pass
+
+
+def _packed_state(loaded: LoadedModel) -> tuple[dict, dict[str, torch.Tensor], set[str]]:
+    """Everything a converted CPU model is made of: (metadata, tensors by name, names read sparsely). A tensor
+    that several names share (tied embeddings, an fp32 weight that is also its packed copy) is stored once."""
+    tensors: dict[str, torch.Tensor] = {}
+    seen: dict[tuple, str] = {}
+    aliases: dict[str, str] = {}
+
+    def add(name: str, t: torch.Tensor) -> str:
+        t = t.detach()
+        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape), t.stride())
+        if t.numel() and ident in seen:
+            aliases[name] = seen[ident]
+        else:
+            seen[ident] = name
+            tensors[name] = t
+        return name
+
+    linears, embedding = {}, None
+    for mname, m in loaded.model.named_modules():
+        if isinstance(m, Linear):
+            p = m.packed
+            linears[mname] = {"fmt": p.fmt, "in": p.in_features, "out": p.out_features,
+                              "scale": p.scale is not None, "weight": m.weight is not None,
+                              "bias": m.bias is not None}
+            add(f"{mname}.packed.weight", p.weight)
+            if p.scale is not None:
+                add(f"{mname}.packed.scale", p.scale)
+            if m.weight is not None:
+                add(f"{mname}.weight", m.weight)
+            if m.bias is not None:
+                add(f"{mname}.bias", m.bias)
+        elif isinstance(m, PackedEmbedding):
+            embedding = {"module": mname, "encoding": m.encoding, "rows": m.num_embeddings,
+                         "dim": m.embedding_dim}
+            add(f"{mname}.table", m.table)
+        elif not isinstance(m, Rotary):  # rotary tables are rebuilt for each max_model_len
+            for pname, prm in m._parameters.items():
+                if prm is not None:
+                    add(f"{mname}.{pname}", prm)
+    meta = {"hf_config": loaded.hf_config, "is_gguf": loaded.is_gguf, "linears": linears, "embedding": embedding,
+            "aliases": aliases}
+    return meta, tensors, {f"{embedding['module']}.table"} if embedding else set()
+
+
+def _from_entry(entry: "pc.Entry", path: Path, device: str, max_model_len: int | None) -> LoadedModel:
+    """The model an entry describes, its tensors memory-mapped (nothing is copied or converted)."""
+    meta = entry.meta
+    try:
+        config, linears, aliases = meta["hf_config"], meta["linears"], meta["aliases"]
+        T = dict(entry.tensors)
+        T.update({a: T[b] for a, b in aliases.items()})
+        fam = family_of(config)
+        args = FAMILIES[fam].make_args(config, fam)
+        max_model_len = _check_len(args, max_model_len)
+        with torch.device("meta"):
+            model = CausalLM(args, max_model_len)
+        for layer in model.layers:
+            layer.fuse_projections()
+        for name, rec in linears.items():
+            m = model.get_submodule(name)
+            w = T.pop(f"{name}.packed.weight")
+            scale = T.pop(f"{name}.packed.scale") if rec["scale"] else None
+            m.packed = kernels.PackedLinear(rec["fmt"], w, scale, rec["in"], rec["out"])
+            m.weight = nn.Parameter(T.pop(f"{name}.weight"), requires_grad=False) if rec["weight"] else None
+            m.bias = nn.Parameter(T.pop(f"{name}.bias"), requires_grad=False) if rec["bias"] else None
+        emb = meta.get("embedding")
+        if emb:
+            table = T.pop(f"{emb['module']}.table")
+            setattr(model, emb["module"], PackedEmbedding(table, emb["encoding"], emb["rows"], emb["dim"]))
+        model.load_state_dict(T, strict=False, assign=True)
+        left = [n for n, p in model.named_parameters() if p.is_meta]
+        if left:
+            raise _BadEntry(f"it lacks {len(left)} tensors, e.g. {left[:3]}")
+        for m in model.modules():
+            if isinstance(m, Linear) and m.packed is not None:
+                m.packed._kernel_args()  # the layout checks the kernel relies on
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
+        raise _BadEntry(f"it does not describe a loadable model ({type(e).__name__}: {e})") from None
+    _finish_model(model, args, max_model_len, torch.device(device))
+    return LoadedModel(model, config, path, bool(meta.get("is_gguf")), max_model_len)
+
+
+def _check_len(args, max_model_len: int | None) -> int:
+    if max_model_len is None:
+        return min(args.max_position_embeddings, 4096)
+    if args.positions == "learned" and max_model_len > args.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the {args.max_position_embeddings} positions "
+                         f"this model was trained with; use max_model_len <= {args.max_position_embeddings}.")
+    return max_model_len
+
+
+def _finish_model(model: CausalLM, args, max_model_len: int, dev: torch.device) -> None:
+    if model.rotary is not None:  # buffers were built on the meta device
+        fresh = type(model.rotary)(args.head_dim, max(max_model_len, 1), args.rope_theta, args.rope_scaling)
+        model.rotary = fresh.to(dev)
+    model.eval()
+
+
+def _mapped_names(fam: str, names: list[str]) -> dict[str, list[str]]:
+    """Our parameter names for each checkpoint name (found without reading any tensor)."""
+    probe = torch.empty(3, 3, device="meta")
+    return {n: [o for o, _ in FAMILIES[fam].map_weight(n, probe)] for n in names}
+
+
+def _convert(path: Path, dtype: str, device: str, max_model_len: int | None, quantization: str | None,
+             desc: str | None = None) -> LoadedModel:
+    """Read the checkpoint and convert it (dequantize, fuse, pack): the slow path the cache saves."""
     is_gguf = path.is_file()
-    config, names, load = (_gguf_tensors if is_gguf else _hf_tensors)(path)
+    if is_gguf:
+        gguf = _open_gguf(path)
+        config, names, load = gguf.config, gguf.tensor_names(), gguf.load_tensor
+        raw = gguf.raw_rows
+    else:
+        config, names, load = _hf_tensors(path)
+        raw = lambda name: (DENSE, load(name))  # noqa: E731 - the checkpoint's own dtype
     fam = family_of(config)
     args = FAMILIES[fam].make_args(config, fam)
     target_dtype = resolve_dtype(dtype, config, device)
-    if max_model_len is None:
-        max_model_len = min(args.max_position_embeddings, 4096)
-    elif args.positions == "learned" and max_model_len > args.max_position_embeddings:
-        raise ValueError(f"max_model_len={max_model_len} exceeds the {args.max_position_embeddings} positions "
-                         f"this model was trained with; use max_model_len <= {args.max_position_embeddings}.")
+    max_model_len = _check_len(args, max_model_len)
     dev = torch.device(device)
     with torch.device("meta"):
         model = CausalLM(args, max_model_len)
@@ -110,12 +287,34 @@ def load_model(path: Path, dtype: str, device: str, max_model_len: int | None,
     loaded: dict[str, torch.Tensor] = {}
     # Only linear weights take the low-precision dtype on CPU; norms and embeddings stay fp32 there.
     linear_weights = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, Linear)}
+    # A quantized CPU model keeps its embedding table in the checkpoint's encoding (layers/embedding.py).
+    packed_embedding = dev.type == "cpu" and quantization in kernels.QUANTIZED
+    mapped = _mapped_names(fam, names)
+    embed_sources = {n for n, ours in mapped.items() if "embed_tokens.weight" in ours} if packed_embedding else set()
+    tied = not any("lm_head.weight" in ours for ours in mapped.values())
     # A layer is fused and packed as soon as all its tensors are in, so a quantized model never holds more
-    # than about one layer at full precision (checkpoints store tensors layer by layer).
+    # than about one layer at full precision (checkpoints store tensors layer by layer); the head and the
+    # embedding are packed as soon as they arrive.
     layer_of = {n: int(n.split(".")[1]) for n in params if n.startswith("layers.")}
     pending = {i: {n for n, j in layer_of.items() if j == i} for i in set(layer_of.values())}
-    with _progress(len(names), f"Loading {path.name}") as bar:
+    done: set[str] = set()
+    with _progress(len(names), desc or f"Loading {path.name}") as bar:
         for name in names:
+            if name in embed_sources:
+                encoding, table = raw(name)
+                if table.shape[0] != args.vocab_size or (encoding == DENSE and tuple(table.shape) != (
+                        args.vocab_size, args.hidden_size)):
+                    raise ValueError(f"Tensor {name} in {path} has shape {tuple(table.shape)}, but the config implies "
+                                     f"({args.vocab_size}, {args.hidden_size}); config.json and the weights do not "
+                                     "belong together.")
+                model.embed_tokens = PackedEmbedding(table, encoding, args.vocab_size, args.hidden_size)
+                done.add("embed_tokens.weight")
+                if tied:  # the head is the same table at full precision, packed
+                    head = [t for o, t in FAMILIES[fam].map_weight(name, load(name)) if o == "embed_tokens.weight"]
+                    _pack_head(model, head[0].to(target_dtype), quantization)
+                    done.add("lm_head.weight")
+                bar.update(1)
+                continue
             for ours, t in FAMILIES[fam].map_weight(name, load(name)):
                 if ours not in params:
                     continue
@@ -124,7 +323,12 @@ def load_model(path: Path, dtype: str, device: str, max_model_len: int | None,
                     raise ValueError(f"Tensor {name} in {path} has shape {tuple(t.shape)}, but the config "
                                      f"implies {want}; config.json and the weights do not belong together.")
                 keep = target_dtype if (dev.type != "cpu" or ours in linear_weights) else torch.float32
-                loaded[ours] = t.to(device=dev, dtype=keep)
+                t = t.to(device=dev, dtype=keep)
+                done.add(ours)
+                if ours == "lm_head.weight" and dev.type == "cpu":  # packed now: never held at full precision
+                    _pack_head(model, t, quantization)
+                    continue
+                loaded[ours] = t
                 i = layer_of.get(ours)
                 if i is not None and i in pending:
                     pending[i].discard(ours)
@@ -132,21 +336,26 @@ def load_model(path: Path, dtype: str, device: str, max_model_len: int | None,
                         del pending[i]
                         _finish_layer(model, i, loaded, quantization)
             bar.update(1)
-    if "lm_head.weight" not in loaded and "embed_tokens.weight" in loaded:  # tied embeddings
+    if is_gguf:
+        gguf.close()
+    if "lm_head.weight" not in done and "embed_tokens.weight" in loaded:  # tied embeddings
         loaded["lm_head.weight"] = loaded["embed_tokens.weight"].to(target_dtype)
-    missing = sorted(n for n in params if n not in loaded and (n not in layer_of or layer_of[n] in pending))
+        done.add("lm_head.weight")
+    missing = sorted(n for n in params if n not in done and (n not in layer_of or layer_of[n] in pending))
     if missing:
         raise ValueError(f"The checkpoint at {path} lacks {len(missing)} tensors the "
                          f"{config.get('architectures')} config needs, e.g. {missing[:4]}.")
     model.load_state_dict(loaded, strict=False, assign=True)  # the layers were assigned as they completed
-    if model.rotary is not None:  # buffers were built on the meta device
-        fresh = type(model.rotary)(args.head_dim, max(max_model_len, 1), args.rope_theta, args.rope_scaling)
-        model.rotary = fresh.to(dev)
-    model.eval()
+    _finish_model(model, args, max_model_len, dev)
     for m in model.modules():
         if isinstance(m, Linear) and m.packed is None and m.weight is not None:  # the head; layers are done
             m.prepare(quantization)
     return LoadedModel(model, config, path, is_gguf, max_model_len)
+
+
+def _pack_head(model: CausalLM, weight: torch.Tensor, quantization: str | None) -> None:
+    model.lm_head.weight = nn.Parameter(weight, requires_grad=False)
+    model.lm_head.prepare(quantization)
 
 
 def _finish_layer(model: CausalLM, i: int, loaded: dict[str, torch.Tensor], quantization: str | None) -> None:

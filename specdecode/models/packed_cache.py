@@ -1,0 +1,295 @@
+"""On-disk cache of models converted to the CPU kernels' packed weight formats.
+
+Converting a GGUF or safetensors checkpoint to w8a8 / w4a8 / int8 (or fp32 / bf16) costs a dequantize and
+requantize pass over every weight. It is done once: the packed tensors are written to one file per (source,
+format) under ``<cache dir>/packed/`` (the cache dir honours ``$SPECDECODE_CACHE``), and later loads
+memory-map that file, so weight pages are shared with the page cache and read only where touched.
+
+An entry is a preamble (magic, header length, sha256 of the header), a JSON header (key, model metadata, and per
+tensor: dtype, shape, offset, size, checksum) and the tensor data, each tensor 64-byte aligned. The checksum is
+the sum of the tensor's bytes taken as int32 words (in int64): any single changed word changes it. Entries are
+written under a temporary name, read back and checked, and only then renamed into place, so a reader sees a
+complete entry or none. A truncated or corrupt entry is reported in one line, deleted and rebuilt.
+
+The key covers the source's identity (path, size and mtime of each file), the weight format and dtype,
+``LAYOUT_VERSION`` (bump it whenever packing changes what bytes a format holds) and ``KERNEL_LAYOUT`` (what the
+C++ kernel expects), plus the byte order and machine.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import mmap
+import os
+import platform
+import struct
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("specdecode")
+
+LAYOUT_VERSION = 1
+# The packed layouts kernels.pack_linear produces and cpu_linear.cpp reads (see kernels.py's docstring).
+KERNEL_LAYOUT = "w8a8:g16x4+128,w4a8:g16x8n,s32-fp16,int8:row,k8/k32"
+_MAGIC = b"SDPACK01"
+_PREAMBLE = struct.Struct("<8sQ32s")  # magic, header length, sha256 of the header
+_ALIGN = 64
+_DATA_ALIGN = 4096
+_SUFFIX = ".spk"
+_READ_CHUNK = 64 << 20
+_ENV = "SPECDECODE_PACKED_CACHE"
+
+
+class CorruptEntry(Exception):
+    """An entry that exists but cannot be trusted; the message says why."""
+
+
+@dataclass
+class Entry:
+    path: Path
+    meta: dict                          # what the writer stored under "meta"
+    tensors: dict[str, torch.Tensor]    # memory-mapped (copy-on-write) views into the file
+    nbytes: int
+
+
+def enabled() -> bool:
+    """False when ``$SPECDECODE_PACKED_CACHE`` is 0 / false / no / off."""
+    return os.environ.get(_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cache_root() -> Path:
+    from specdecode.models.default_models import cache_dir
+
+    return cache_dir() / "packed"
+
+
+def source_identity(source: Path) -> list[list]:
+    """(name, size, mtime_ns) of the files a model is read from: the GGUF file, or an HF directory's
+    config.json and weight files."""
+    source = Path(source).resolve()
+    files = [source] if source.is_file() else sorted(
+        p for p in source.iterdir() if p.name == "config.json" or p.suffix == ".safetensors"
+        or p.name == "model.safetensors.index.json")
+    out = []
+    for f in files:
+        st = f.stat()
+        out.append([str(f), st.st_size, st.st_mtime_ns])
+    return out
+
+
+def make_key(source: Path, fmt: str, dtype: str) -> dict:
+    return {"layout_version": LAYOUT_VERSION, "kernel_layout": KERNEL_LAYOUT, "byteorder": sys.byteorder,
+            "machine": platform.machine(), "format": fmt, "dtype": dtype, "source": source_identity(source)}
+
+
+def entry_path(source: Path, key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    stem = Path(source).resolve().name.removesuffix(".gguf")
+    return cache_root() / f"{stem}.{key['format']}.{digest}{_SUFFIX}"
+
+
+# -------------------------------------------------------------------------------------------------- checksums
+def _words_sum(b: torch.Tensor) -> int:
+    """Sum of a uint8 tensor's bytes as little-endian int32 words (zero-padded to whole words), in int64."""
+    if b.numel() % 4:
+        b = torch.cat([b, b.new_zeros(4 - b.numel() % 4)])
+    return int(b.view(torch.int32).sum(dtype=torch.int64))
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _file_words_sum(fd: int, offset: int, nbytes: int) -> int:
+    """The same sum read with pread: the pages land in the page cache, not in this process's resident set."""
+    total, done = 0, 0
+    padded = -(-nbytes // 4) * 4
+    while done < padded:
+        n = min(_READ_CHUNK, padded - done)
+        buf = os.pread(fd, n, offset + done)
+        if len(buf) != n:
+            raise CorruptEntry(f"the file ends inside tensor data (read {len(buf)} of {n} bytes)")
+        total += int(np.frombuffer(buf, dtype="<i4").sum(dtype=np.int64))
+        done += n
+    return total
+
+
+# ---------------------------------------------------------------------------------------------------- writing
+def write_entry(final: Path, key: dict, meta: dict, tensors: dict[str, torch.Tensor],
+                lazy: Iterable[str] = ()) -> Entry:
+    """Write ``tensors`` (name -> CPU tensor) and ``meta`` (JSON-able) as the entry ``final``, verify it and
+    return it opened. ``lazy`` tensors are read sparsely (e.g. an embedding table): their checksum is checked
+    through file reads so that checking does not make all of their pages resident. Raises OSError on I/O
+    failure (nothing is left behind)."""
+    lazy = set(lazy)
+    records, offset = [], 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        records.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                        "offset": offset, "nbytes": nbytes, "sum": _words_sum(_as_bytes(t)), "lazy": name in lazy})
+        offset += -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+    header = {"key": key, "meta": meta, "tensors": records, "data_bytes": offset}
+    # The header's own length fixes where the data starts, which the header records: iterate to a fixed point.
+    data_start = 0
+    for _ in range(4):
+        header["data_start"] = data_start
+        header["file_size"] = data_start + offset
+        blob = json.dumps(header, sort_keys=True).encode()
+        need = -(-(_PREAMBLE.size + len(blob)) // _DATA_ALIGN) * _DATA_ALIGN
+        if need == data_start:
+            break
+        data_start = need
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _remove_dead_temps(final)
+    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(_PREAMBLE.pack(_MAGIC, len(blob), hashlib.sha256(blob).digest()))
+            f.write(blob)
+            for rec, t in zip(records, tensors.values()):
+                f.seek(data_start + rec["offset"])
+                f.write(_as_bytes(t).numpy().data)
+            f.truncate(header["file_size"])
+            f.flush()
+            os.fsync(f.fileno())
+        entry = read_entry(tmp, key)  # read back what is on disk before anyone can see it
+        os.replace(tmp, final)
+    except CorruptEntry as e:
+        _unlink(tmp)
+        raise OSError(f"the entry read back differs from what was written ({e})") from None
+    except BaseException:
+        _unlink(tmp)
+        raise
+    entry.path = final
+    _remove_superseded(final, key)
+    return entry
+
+
+def _remove_dead_temps(final: Path) -> None:
+    """Temporaries left by writers that died; a live writer's temp (another process) is left alone."""
+    for p in final.parent.glob(f"{final.name}.tmp-*"):
+        try:
+            pid = int(p.name.rsplit(".tmp-", 1)[1].split("-")[0])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            _unlink(p)
+        except (ValueError, IndexError, PermissionError, OSError):
+            pass
+
+
+def _remove_superseded(final: Path, key: dict) -> None:
+    """Entries nothing will read again: those whose source files are gone (e.g. a deleted temporary model), and
+    those for the same source and format under another key (the source changed, or an older layout)."""
+    src = [s[0] for s in key["source"]]
+    for p in final.parent.glob(f"*{_SUFFIX}"):
+        if p == final:
+            continue
+        try:
+            other = _read_header(p)[0]["key"]
+            other_src = [s[0] for s in other["source"]]
+        except (OSError, CorruptEntry, KeyError, TypeError, IndexError):
+            continue
+        if not all(os.path.exists(s) for s in other_src) or (other_src == src and other.get("format") == key["format"]):
+            _unlink(p)
+
+
+# ---------------------------------------------------------------------------------------------------- reading
+def _read_header(path: Path) -> tuple[dict, int]:
+    with open(path, "rb") as f:
+        pre = f.read(_PREAMBLE.size)
+        if len(pre) != _PREAMBLE.size:
+            raise CorruptEntry(f"it is truncated ({len(pre)} bytes)")
+        magic, length, digest = _PREAMBLE.unpack(pre)
+        if magic != _MAGIC:
+            raise CorruptEntry("it does not start with the packed-entry magic bytes")
+        blob = f.read(length)
+    if len(blob) != length:
+        raise CorruptEntry(f"it is truncated inside its header ({len(blob)} of {length} bytes)")
+    if hashlib.sha256(blob).digest() != digest:
+        raise CorruptEntry("its header checksum does not match")
+    try:
+        header = json.loads(blob)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptEntry(f"its header is not valid JSON ({e})") from None
+    return header, _PREAMBLE.size + length
+
+
+def read_entry(path: Path, key: dict) -> Entry:
+    """Open and verify an entry (size, header checksum, every tensor's checksum). Raises FileNotFoundError if
+    there is none and CorruptEntry if it cannot be trusted."""
+    header, _ = _read_header(path)
+    try:
+        if header["key"] != key:
+            raise CorruptEntry("its key does not match its file name")
+        size, want = path.stat().st_size, int(header["file_size"])
+        if size != want:
+            raise CorruptEntry(f"it is truncated ({size} of {want} bytes)" if size < want
+                               else f"it has {size - want} bytes past its end")
+        data_start, records = int(header["data_start"]), header["tensors"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptEntry(f"its header lacks {e}") from None
+    tensors: dict[str, torch.Tensor] = {}
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+        eager = [r for r in records if not r["lazy"] and r["nbytes"]]
+        if eager and hasattr(mm, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
+            lo = data_start + min(r["offset"] for r in eager)
+            hi = data_start + max(r["offset"] + r["nbytes"] for r in eager)
+            lo -= lo % mmap.PAGESIZE
+            mm.madvise(mmap.MADV_WILLNEED, lo, hi - lo)
+        for r in records:
+            try:
+                dtype = getattr(torch, r["dtype"])
+                off, nbytes = data_start + int(r["offset"]), int(r["nbytes"])
+                if not isinstance(dtype, torch.dtype) or off + nbytes > size:
+                    raise ValueError
+            except (AttributeError, KeyError, TypeError, ValueError):
+                raise CorruptEntry(f"its record of tensor {r.get('name')!r} is malformed") from None
+            if nbytes == 0:
+                tensors[r["name"]] = torch.empty(r["shape"], dtype=dtype)
+                continue
+            if r["lazy"]:
+                got = _file_words_sum(f.fileno(), off, nbytes)
+            else:
+                got = int(torch.frombuffer(mm, dtype=torch.int32, count=-(-nbytes // 4), offset=off)
+                          .sum(dtype=torch.int64))
+            if got != r["sum"]:
+                raise CorruptEntry(f"tensor {r['name']} fails its checksum")
+            t = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=off).view(dtype)
+            tensors[r["name"]] = t.view(r["shape"])
+    return Entry(path, header.get("meta", {}), tensors, size)
+
+
+def open_entry(path: Path, key: dict) -> Entry | None:
+    """The verified entry at ``path``, or None when there is none. A corrupt or partial entry is reported in
+    one log line and deleted (the caller then rebuilds it)."""
+    try:
+        return read_entry(path, key)
+    except FileNotFoundError:
+        return None
+    except CorruptEntry as e:
+        logger.warning("Packed-weight cache entry %s is unusable: %s; deleting it and converting again.", path, e)
+    except OSError as e:
+        logger.warning("Packed-weight cache entry %s could not be read (%s); deleting it and converting again.",
+                       path, e.strerror or e)
+    _unlink(path)
+    return None
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError:
+        pass
+
+
+def describe(entry: Entry) -> dict[str, Any]:
+    return {"path": str(entry.path), "bytes": entry.nbytes, "tensors": len(entry.tensors)}

@@ -1,0 +1,284 @@
+"""The packed-weight disk cache: hits are bitwise cold loads, damaged entries are reported once and rebuilt,
+concurrent writers never expose a partial entry, and $SPECDECODE_CACHE decides where entries live."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdecode.engine.model_runner import ModelRunner
+from specdecode.layers import kernels
+from specdecode.layers.embedding import PackedEmbedding
+from specdecode.layers.linear import pack_in_chunks
+from specdecode.models import loader as loader_mod
+from specdecode.models import packed_cache as pc
+from specdecode.models.loader import load_model
+
+FORMATS = [("auto", None), ("bfloat16", None), ("auto", "int8"), ("auto", "w8a8"), ("auto", "w4a8")]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("SPECDECODE_PACKED_CACHE", raising=False)
+    return tmp_path / "cache"
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def warnings_seen():
+    h = _Lines()
+    log = logging.getLogger("specdecode")
+    log.addHandler(h)
+    try:
+        yield h.lines
+    finally:
+        log.removeHandler(h)
+
+
+def _logits(loaded) -> list[torch.Tensor]:
+    """Prefill, three greedy decode steps and a 4-row verification pass: every path a model's weights feed."""
+    runner = ModelRunner(loaded, 1, 64, "cpu")
+    toks = [3, 17, 42, 5, 9]
+    out = [runner.prefill(0, toks)]
+    for _ in range(3):
+        t = int(out[-1].reshape(-1, out[-1].shape[-1])[-1].argmax())
+        toks.append(t)
+        out.append(runner.forward_rows([(0, len(toks) - 1, [t])], all_logits=False)[0])
+    out.append(runner.forward_rows([(0, 4, toks[4:])], all_logits=True)[0])
+    return out
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _entries(cache: Path) -> list[Path]:
+    return sorted((cache / "packed").glob("*.spk"))
+
+
+def _no_convert(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("a cache hit must not convert the checkpoint")
+    monkeypatch.setattr(loader_mod, "_convert", boom)
+
+
+@pytest.mark.parametrize("dtype,quant", FORMATS)
+@pytest.mark.parametrize("family", ["qwen2", "llama"])  # tied (qwen2) and untied embeddings
+def test_hit_is_bitwise_the_cold_load(tiny_models, cache, monkeypatch, family, dtype, quant):
+    path = tiny_models[family]
+    cold = _logits(load_model(path, dtype, "cpu", None, quant, packed_cache=False))
+    assert not _entries(cache)
+    first = load_model(path, dtype, "cpu", None, quant)  # converts, writes, then maps the entry
+    assert len(_entries(cache)) == 1 and _same(cold, _logits(first))
+    _no_convert(monkeypatch)
+    hit = load_model(path, dtype, "cpu", None, quant)
+    assert _same(cold, _logits(hit))
+    lin = hit.model.layers[0].qkv_proj.packed
+    assert lin.fmt == loader_mod.weight_format(dtype, "cpu", quant)
+    assert not lin.weight.untyped_storage().resizable()  # a view of the mapped file, not a copy
+    assert not list((cache / "packed").glob("*.tmp-*"))
+
+
+def test_quantized_embedding_keeps_the_checkpoint_encoding(tiny_models, cache):
+    """A quantized model looks its embedding rows up in the stored table; they are the dense rows bitwise."""
+    path = tiny_models["llama"]
+    m = load_model(path, "auto", "cpu", None, "w8a8").model
+    assert isinstance(m.embed_tokens, PackedEmbedding) and m.embed_tokens.table.dtype == torch.float32
+    from safetensors.torch import load_file
+
+    dense = load_file(str(path / "model.safetensors"))["model.embed_tokens.weight"].float()
+    ids = torch.tensor([[0, 5, 511], [7, 7, 1]])
+    assert torch.equal(m.embed_tokens(ids), torch.nn.functional.embedding(ids, dense))
+    with pytest.raises(IndexError):
+        m.embed_tokens(torch.tensor([512]))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip-data", "flip-header", "empty"])
+def test_damaged_entry_is_reported_once_and_rebuilt(tiny_models, cache, monkeypatch, warnings_seen, damage):
+    path = tiny_models["llama"]
+    cold = _logits(load_model(path, "auto", "cpu", None, "w8a8", packed_cache=False))
+    load_model(path, "auto", "cpu", None, "w8a8")
+    (entry,) = _entries(cache)
+    size = entry.stat().st_size
+    header, _ = pc._read_header(entry)
+    if damage == "truncate":
+        os.truncate(entry, size - 1000)
+    elif damage == "empty":
+        os.truncate(entry, 0)
+    else:
+        if damage == "flip-data":  # the middle of a layer weight
+            rec = next(r for r in header["tensors"] if r["name"] == "layers.1.gate_up_proj.packed.weight")
+            at = header["data_start"] + rec["offset"] + rec["nbytes"] // 2
+        else:
+            at = 200
+        with open(entry, "r+b") as f:
+            f.seek(at)
+            b = f.read(4)
+            f.seek(at)
+            f.write(bytes(x ^ 0x5A for x in b))
+    warnings_seen.clear()
+    again = load_model(path, "auto", "cpu", None, "w8a8")
+    assert _same(cold, _logits(again))
+    assert len(warnings_seen) == 1, warnings_seen
+    line = warnings_seen[0]
+    assert str(entry) in line and "converting again" in line and "\n" not in line
+    want = {"truncate": "truncated", "empty": "truncated", "flip-data": "fails its checksum",
+            "flip-header": "header checksum"}[damage]
+    assert want in line
+    # The rebuilt entry is whole again: the next load is a silent hit.
+    (rebuilt,) = _entries(cache)
+    assert rebuilt.stat().st_size == size
+    warnings_seen.clear()
+    _no_convert(monkeypatch)
+    assert _same(cold, _logits(load_model(path, "auto", "cpu", None, "w8a8"))) and not warnings_seen
+
+
+def test_cache_location_key_and_opt_out(tiny_models, tmp_path, monkeypatch):
+    path = tiny_models["qwen2"]
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "elsewhere"))
+    load_model(path, "auto", "cpu", None, "w4a8")
+    load_model(path, "auto", "cpu", None, "w8a8")
+    names = sorted(p.name for p in _entries(tmp_path / "elsewhere"))
+    assert len(names) == 2 and names[0].startswith("qwen2.w4a8.") and names[1].startswith("qwen2.w8a8.")
+    monkeypatch.setenv("SPECDECODE_PACKED_CACHE", "0")
+    load_model(path, "auto", "cpu", None, "int8")
+    assert len(_entries(tmp_path / "elsewhere")) == 2
+    # Touching the source changes its identity: a new entry replaces the old one for that format.
+    monkeypatch.delenv("SPECDECODE_PACKED_CACHE")
+    st = (path / "model.safetensors").stat()
+    os.utime(path / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    try:
+        load_model(path, "auto", "cpu", None, "w8a8")
+    finally:
+        os.utime(path / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns))
+    after = sorted(p.name for p in _entries(tmp_path / "elsewhere"))
+    assert len(after) == 2 and after[0] == names[0] and after[1] != names[1]
+
+
+_CHILD = """
+import hashlib, sys, time
+from pathlib import Path
+go = Path(sys.argv[2])
+while not go.exists():
+    time.sleep(0.01)
+from specdecode.models.loader import load_model
+sys.path.insert(0, sys.argv[3])
+from test_packed_cache import _logits
+out = _logits(load_model(Path(sys.argv[1]), "auto", "cpu", None, "w4a8"))
+print(hashlib.sha256(b"".join(t.numpy().tobytes() for t in out)).hexdigest())
+"""
+
+
+def test_concurrent_writers_never_corrupt(tiny_models, cache, tmp_path):
+    path = tiny_models["qwen3"]
+    want = hashlib.sha256(b"".join(t.numpy().tobytes() for t in _logits(
+        load_model(path, "auto", "cpu", None, "w4a8", packed_cache=False)))).hexdigest()
+    go = tmp_path / "go"
+    env = {**os.environ, "SPECDECODE_CACHE": str(cache)}
+    procs = [subprocess.Popen([sys.executable, "-c", _CHILD, str(path), str(go), str(Path(__file__).parent)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for _ in range(3)]
+    time.sleep(2.0)  # let them all get to the start line
+    go.touch()
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    assert [o[0].strip() for o in outs] == [want] * 3
+    assert len(_entries(cache)) == 1 and not list((cache / "packed").glob("*.tmp-*"))
+
+
+def test_concurrent_write_entry_and_readers(cache):
+    """Threads writing one entry while others read it: a reader sees no entry or a whole one, never a part."""
+    final = pc.cache_root() / "x.w8a8.0000.spk"
+    key = {"format": "w8a8", "source": [["/nonexistent-but-ok", 1, 1]]}
+    tensors = {f"t{i}": torch.arange(200_000, dtype=torch.int32) * (i + 1) for i in range(8)}
+    errors: list[BaseException] = []
+    seen: list[int] = []
+
+    def write():
+        try:
+            pc.write_entry(final, key, {"m": 1}, tensors)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    def read():
+        deadline = time.time() + 3
+        while time.time() < deadline and len(seen) < 50:
+            try:
+                e = pc.read_entry(final, key)
+                assert all(torch.equal(e.tensors[n], t) for n, t in tensors.items())
+                seen.append(1)
+            except FileNotFoundError:
+                pass
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+                return
+
+    threads = [threading.Thread(target=write) for _ in range(4)] + [threading.Thread(target=read) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert seen and final.is_file() and not list(final.parent.glob("*.tmp-*"))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "w8a8", "w4a8"])
+def test_pack_in_chunks_is_bitwise_pack_linear(fmt):
+    torch.manual_seed(0)
+    for n, k in ((1000, 96), (4099, 64), (37, 40)):
+        w = torch.randn(n, k)
+        a, b = kernels.pack_linear(w, fmt), pack_in_chunks(w, fmt, rows=256)
+        assert torch.equal(a.weight, b.weight) and (a.out_features, a.in_features) == (b.out_features, b.in_features)
+        assert (a.scale is None and b.scale is None) or torch.equal(a.scale, b.scale)
+
+
+def test_gguf_quantized_embedding_and_tokenizer_cache(tmp_path, cache, monkeypatch):
+    """A real GGUF (a slice of the default draft: Q5_0 embedding, Q8_0 head): the embedding rows decoded from
+    the stored blocks are the dense rows bitwise, so the logits equal those of a dense float32 embedding."""
+    from test_gguf_loader import draft_path, slice_gguf
+
+    from specdecode.models.gguf_loader import load_gguf_tokenizer, read_gguf
+
+    src = slice_gguf(draft_path(), tmp_path / "slice.gguf", layers=1, vocab=2048)
+    g = read_gguf(src)
+    dense = g.load_tensor("model.embed_tokens.weight")
+    assert g.tensor_type("model.embed_tokens.weight") == "Q5_0"
+    cold_model = load_model(src, "auto", "cpu", None, "w8a8", packed_cache=False)
+    cold = _logits(cold_model)
+    first = load_model(src, "auto", "cpu", None, "w8a8")
+    hit = load_model(src, "auto", "cpu", None, "w8a8")
+    emb = hit.model.embed_tokens
+    assert isinstance(emb, PackedEmbedding) and emb.encoding == "Q5_0"
+    ids = torch.tensor([0, 1, 77, 2047, 77])
+    assert torch.equal(emb(ids), dense[ids])
+    assert _same(cold, _logits(first)) and _same(cold, _logits(hit))
+    cold_model.model.embed_tokens = torch.nn.Embedding.from_pretrained(dense)
+    assert _same(cold, _logits(cold_model))
+    # The tokenizer is cached beside the entries and rebuilt identically.
+    real = draft_path()
+    built = load_gguf_tokenizer(real, cache=False)
+    for _ in range(2):
+        tok = load_gguf_tokenizer(real)
+        for text in ("hello world", "def f(x):\n    return x  # 日本語 <|im_end|>", " \t ünï 🙂"):
+            assert tok.encode(text) == built.encode(text)
+        assert (tok.chat_template, tok.eos_token, tok.bos_token, tok.pad_token, tok.model_max_length) == (
+            built.chat_template, built.eos_token, built.bos_token, built.pad_token, built.model_max_length)
+        assert tok.name_or_path == str(real)
+    assert len(list((cache / "tokenizers").iterdir())) == 1
