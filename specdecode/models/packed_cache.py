@@ -7,7 +7,7 @@ memory-map that file, so weight pages are shared with the page cache and read on
 
 An entry is a preamble (magic, header length, sha256 of the header), a JSON header (key, model metadata, and per
 tensor: dtype, shape, offset, size, checksum) and the tensor data, each tensor 64-byte aligned. The checksum is
-the sum of the tensor's bytes taken as int32 words (in int64): any single changed word changes it. Entries are
+the sum of the tensor's bytes taken as int64 words, modulo 2**64: any single changed word changes it. Entries are
 written under a temporary name, read back and checked, and only then renamed into place, so a reader sees a
 complete entry or none. A truncated or corrupt entry is reported in one line, deleted and rebuilt.
 
@@ -29,12 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-import numpy as np
 import torch
 
 logger = logging.getLogger("specdecode")
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 # The packed layouts kernels.pack_linear produces and cpu_linear.cpp reads (see kernels.py's docstring).
 KERNEL_LAYOUT = "w8a8:g16x4+128,w4a8:g16x8n,s32-fp16,int8:row,k8/k32"
 _MAGIC = b"SDPACK01"
@@ -44,6 +43,7 @@ _DATA_ALIGN = 4096
 _SUFFIX = ".spk"
 _READ_CHUNK = 64 << 20
 _ENV = "SPECDECODE_PACKED_CACHE"
+_MASK = (1 << 64) - 1
 
 
 class CorruptEntry(Exception):
@@ -96,10 +96,11 @@ def entry_path(source: Path, key: dict) -> Path:
 
 # -------------------------------------------------------------------------------------------------- checksums
 def _words_sum(b: torch.Tensor) -> int:
-    """Sum of a uint8 tensor's bytes as little-endian int32 words (zero-padded to whole words), in int64."""
-    if b.numel() % 4:
-        b = torch.cat([b, b.new_zeros(4 - b.numel() % 4)])
-    return int(b.view(torch.int32).sum(dtype=torch.int64))
+    """Sum of a uint8 tensor's bytes as int64 words (zero-padded to whole words), modulo 2**64. Integer sums
+    wrap the same way in any order, so threads and chunking do not change it."""
+    if b.numel() % 8:
+        b = torch.cat([b, b.new_zeros(8 - b.numel() % 8)])
+    return int(b.view(torch.int64).sum()) & _MASK
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -109,13 +110,13 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 def _file_words_sum(fd: int, offset: int, nbytes: int) -> int:
     """The same sum read with pread: the pages land in the page cache, not in this process's resident set."""
     total, done = 0, 0
-    padded = -(-nbytes // 4) * 4
+    padded = -(-nbytes // 8) * 8
     while done < padded:
         n = min(_READ_CHUNK, padded - done)
         buf = os.pread(fd, n, offset + done)
         if len(buf) != n:
             raise CorruptEntry(f"the file ends inside tensor data (read {len(buf)} of {n} bytes)")
-        total += int(np.frombuffer(buf, dtype="<i4").sum(dtype=np.int64))
+        total = (total + int(torch.frombuffer(bytearray(buf), dtype=torch.int64).sum())) & _MASK
         done += n
     return total
 
@@ -257,8 +258,7 @@ def read_entry(path: Path, key: dict) -> Entry:
             if r["lazy"]:
                 got = _file_words_sum(f.fileno(), off, nbytes)
             else:
-                got = int(torch.frombuffer(mm, dtype=torch.int32, count=-(-nbytes // 4), offset=off)
-                          .sum(dtype=torch.int64))
+                got = int(torch.frombuffer(mm, dtype=torch.int64, count=-(-nbytes // 8), offset=off).sum()) & _MASK
             if got != r["sum"]:
                 raise CorruptEntry(f"tensor {r['name']} fails its checksum")
             t = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=off).view(dtype)
