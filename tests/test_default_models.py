@@ -82,6 +82,41 @@ def test_fake_assembly_marker_and_repairs(fake_spec, tmp_path, monkeypatch):
     assert not _leftovers(cache, "fake.gguf")
 
 
+class _Terminal:
+    """A stand-in for a terminal's stderr: collects what is written."""
+
+    def __init__(self):
+        self.text = ""
+
+    def isatty(self) -> bool:
+        return True
+
+    def write(self, s: str) -> int:
+        self.text += s
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_first_assembly_says_so_on_the_terminal(fake_spec, tmp_path, monkeypatch):
+    """One line saying what happens (info logging is off, as in the CLI), then the progress bar; nothing later."""
+    import logging
+    import sys
+
+    spec, _ = fake_spec
+    monkeypatch.setattr(logging.getLogger("specdecode"), "level", logging.WARNING)
+    term = _Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    ensure_assembled(spec, tmp_path / "c")
+    lines = [ln for ln in term.text.replace("\r", "\n").splitlines() if "assembling" in ln]
+    assert len(lines) == 1 and "fake model" in lines[0] and str(tmp_path / "c") in lines[0]
+    assert "Assembling fake.gguf" in term.text  # the progress bar's label
+    term.text = ""
+    ensure_assembled(spec, tmp_path / "c")
+    assert term.text == ""
+
+
 def test_fake_checksum_mismatch_leaves_nothing(fake_spec, tmp_path):
     spec, blob = fake_spec
     wrong = ModelSpec(spec.description, spec.filename, spec.size, "0" * 64, spec.package_prefix, spec.num_parts)

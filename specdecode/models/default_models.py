@@ -158,7 +158,8 @@ def _assemble(spec: ModelSpec, directory: Path, final: Path) -> None:
                          f"{spec.size / 1e6:.0f} MB, {free / 1e6:.0f} MB free. Set SPECDECODE_CACHE to another "
                          "directory.")
     tmp = directory / f"{spec.filename}.tmp-{os.getpid()}"
-    logger.info("Assembling %s into %s", spec.filename, directory)
+    notice(f"specdecode: first run: assembling the default {spec.description} model ({spec.size / 1e9:.1f} GB, "
+           f"once) into {directory}")
     digest = hashlib.sha256()
     written = 0
     try:
@@ -204,6 +205,14 @@ def _unlink(path: Path) -> None:
         path.unlink()
     except FileNotFoundError:
         pass
+
+
+def notice(msg: str) -> None:
+    """A one-time, long step (assembling or converting a model): logged, and said on the terminal even when
+    info logging is off, so a first run that takes minutes does not look hung."""
+    logger.info(msg)
+    if sys.stderr.isatty() and not logger.isEnabledFor(logging.INFO):
+        print(msg, file=sys.stderr, flush=True)
 
 
 def _progress(total: int, desc: str):

@@ -16,6 +16,7 @@ from specdecode.layers.embedding import DENSE, PackedEmbedding
 from specdecode.layers.linear import Linear
 from specdecode.layers.rotary import Rotary
 from specdecode.models import packed_cache as pc
+from specdecode.models.default_models import notice
 from specdecode.models.model import FAMILIES, CausalLM, family_of
 
 logger = logging.getLogger("specdecode")
@@ -138,7 +139,7 @@ def load_model(path: Path, dtype: str, device: str, max_model_len: int | None,
 
 def _convert_and_store(path: Path, dtype: str, device: str, max_model_len: int | None, quantization: str | None,
                        final: Path, key: dict, fmt: str) -> "pc.Entry | LoadedModel":
-    _notice(f"specdecode: converting {path.name} to {fmt} once; later runs map the result from {final.parent}")
+    notice(f"specdecode: converting {path.name} to {fmt} once; later runs map the result from {final.parent}")
     loaded = _convert(path, dtype, device, max_model_len, quantization, f"Converting {path.name} to {fmt}")
     meta, tensors, lazy = _packed_state(loaded)
     try:
@@ -148,13 +149,6 @@ def _convert_and_store(path: Path, dtype: str, device: str, max_model_len: int |
                        "caching it. Set SPECDECODE_CACHE to a writable directory with free space.", final,
                        e.strerror or e)
         return loaded
-
-
-def _notice(msg: str) -> None:
-    """A one-time, long step: said on the terminal (and logged)."""
-    logger.info(msg)
-    if sys.stderr.isatty() and not logging.getLogger("specdecode").isEnabledFor(logging.INFO):
-        print(msg, file=sys.stderr, flush=True)
 
 
 class _BadEntry(Exception):
