@@ -78,6 +78,9 @@ def engine_kwargs(tiny_models):
 def single_url(engine_kwargs):
     """The single-process server (also builds the CPU kernels before any replica needs them)."""
     with serve_in_thread(build_single_app(engine_kwargs, MODEL, None)) as url:
+        # one request builds the CPU kernels here, before the replicas load them (a process killed while
+        # building would leave the build lock behind)
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=600).is_success
         yield url
 
 

@@ -95,14 +95,23 @@ def _text_of(content: Any) -> str:
 def routing_text(path: str, body: bytes) -> str | None:
     """The prompt text a generation request carries (None for other requests and for bodies that do not parse:
     those go to the least loaded replica, which answers them as the single-process server would)."""
+    return _inspect(path, body)[0]
+
+
+def _inspect(path: str, body: bytes) -> tuple[str | None, bool]:
+    """(routing text, whether the response streams)."""
     if path not in _GENERATION_PATHS or not body:
-        return None
+        return None, False
     try:
         req = json.loads(body)
     except (ValueError, UnicodeDecodeError):
-        return None
+        return None, False
     if not isinstance(req, dict):
-        return None
+        return None, False
+    return _prompt_text(path, req), req.get("stream") is True
+
+
+def _prompt_text(path: str, req: dict) -> str | None:
     if path == "/v1/completions":
         prompt = req.get("prompt")
         if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
@@ -331,6 +340,17 @@ class EngineReplica:
         if engine is not None:
             engine.shutdown()
 
+    async def call(self, req: ForwardedRequest) -> dict:
+        """The whole response at once (a plain actor call is cheaper than a streamed one)."""
+        out: dict = {"more": False}
+        chunks = []
+        async for item in self.handle(req):
+            out.setdefault("status", item.get("status"))
+            out.setdefault("headers", item.get("headers"))
+            chunks.append(item["body"])
+        out["body"] = b"".join(chunks)
+        return out
+
     async def handle(self, req: ForwardedRequest) -> AsyncIterator[dict]:
         """Runs the request through the app and yields what it sends, coalesced: dicts with ``status`` and
         ``headers`` (first one only), ``body`` (bytes) and ``more`` (False on the last one)."""
@@ -414,7 +434,8 @@ class OpenAIIngress:
     """The HTTP entry point: forwards each request to an engine replica chosen by the request router."""
 
     def __init__(self, engine: Any, metrics_hub: Any) -> None:
-        self._engine = engine.options(stream=True)
+        self._engine = engine
+        self._streaming = engine.options(stream=True)
         self._hub = metrics_hub
 
     async def __call__(self, request: Request) -> Response:
@@ -426,15 +447,18 @@ class OpenAIIngress:
         if path == "/metrics" and request.method == "GET":
             text = await self._hub.render.remote()
             return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+        prompt, stream = _inspect(path, body)
         fwd = ForwardedRequest(method=request.method, path=path, query_string=request.scope.get("query_string", b""),
-                               headers=list(request.scope.get("headers") or []), body=body,
-                               prompt=routing_text(path, body))
+                               headers=list(request.scope.get("headers") or []), body=body, prompt=prompt)
         gen = None
         first: dict | None = None
         for attempt in range(3):
-            gen = self._engine.handle.remote(fwd)
             try:
-                first = await gen.__anext__()
+                if stream:
+                    gen = self._streaming.handle.remote(fwd)
+                    first = await gen.__anext__()
+                else:
+                    first = await self._engine.call.remote(fwd)
                 break
             except StopAsyncIteration:
                 return JSONResponse(_error(502, "The replica sent no response.", "replica_error"), status_code=502)
