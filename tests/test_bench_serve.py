@@ -117,10 +117,11 @@ def test_single_turn_sweep(url, questions, tmp_path, capsys):
 
 # ---------------------------------------------------------------- multi-turn
 def test_multi_turn_history(url, questions, tmp_path, capsys):
-    rj = tmp_path / "mt.json"
+    rj, png = tmp_path / "mt.json", tmp_path / "mt.png"
     rc, out, err = _bench(["--base-url", url, "--dataset", questions, "--multi-turn", "--num-prompts", 3,
-                           "--max-concurrency", 2, "--max-tokens", 12, "--result-json", rj], capsys)
+                           "--max-concurrency", 2, "--max-tokens", 12, "--result-json", rj, "--plot", png], capsys)
     assert rc == 0, err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "Multi-turn TTFT" in out and "Turn 2 median TTFT (ms) [n=3]" in out
     run = json.loads(rj.read_text())["runs"][0]
     s = run["summary"]
@@ -220,6 +221,10 @@ def test_llama_server_style_stream_without_usage():
     assert rec.success and rec.text == "Hello big world" and rec.finish_reason == "length"
     assert (rec.output_tokens, rec.token_source, rec.chunks, len(rec.itl)) == (3, "chunks", 3, 2)
     assert (rec.drafts, rec.drafted, rec.accepted) == (None, 10, 7)
+    # llama-server's in-band error line after a first chunk: a failed request with its message
+    body = f"data: {json.dumps(events[1])}\n\n" + 'error: {"code": 500, "message": "slot crashed"}\n\n'
+    rec = asyncio.run(go())
+    assert not rec.success and rec.error == "stream error: slot crashed"
 
 
 def test_workloads(tmp_path):

@@ -334,6 +334,9 @@ async def send_request(client, cfg: ClientConfig, prompt: str | list[dict], rec:
                 rec.error = _error_text(resp.status_code, await resp.aread())
                 return rec
             async for line in resp.aiter_lines():
+                if line.startswith("error:"):  # llama-server's in-band error line
+                    rec.error = "stream error: " + _error_text(200, line[6:].strip().encode()).split(": ", 1)[1]
+                    return rec
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
@@ -648,9 +651,11 @@ def write_plot(result: dict, path: Path) -> Path:
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     ax = axes[0][0]
     ys = [r["summary"]["output_throughput"] or 0.0 for r in runs]
-    bars = ax.bar(range(len(runs)), ys, color=colors)
+    bars = ax.bar(range(len(runs)), ys, color=colors, width=0.6)
     for b, y in zip(bars, ys):
         ax.annotate(f"{y:.1f}", (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom", fontsize=9)
+    ax.set_xlim(-0.8, len(runs) - 0.2)
+    ax.margins(y=0.12)
     ax.set_xticks(range(len(runs)))
     ax.set_xticklabels(labels)
     ax.set_ylabel("output tokens/s")
@@ -660,7 +665,8 @@ def write_plot(result: dict, path: Path) -> Path:
         for run, label, color in zip(runs, labels, colors):
             xs = np.sort(np.asarray([x for rec in run["requests"] if rec["success"] for x in per_request(rec)]))
             if xs.size:
-                ax.plot(xs * 1000.0, np.arange(1, xs.size + 1) / xs.size, label=label, color=color)
+                ax.plot(xs * 1000.0, np.arange(1, xs.size + 1) / xs.size, label=label, color=color,
+                        drawstyle="steps-post")
         ax.set_xlabel(f"{key} (ms)")
         ax.set_ylabel("fraction of samples")
         ax.set_ylim(0, 1.02)
@@ -898,7 +904,7 @@ def add_arguments(p) -> None:
     g.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="HF tokenizer directory or GGUF file to count tokens with when the server sends no usage")
     g.add_argument("--timeout", type=_positive(float), default=3600.0, metavar="S",
-                   help="per-request timeout in seconds (default 3600)")
+                   help="HTTP timeout in seconds: to connect, and between two reads of a stream (default 3600)")
     w = p.add_argument_group("workload")
     w.add_argument("--dataset", "--dataset-path", dest="dataset", default=None, metavar="PATH|sharegpt|humaneval",
                    help="Spec-Bench/MT-bench JSONL, ShareGPT JSON, JSONL ({\"prompt\": ...}), text (one prompt per "
