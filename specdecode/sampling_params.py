@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from specdecode.structured.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 # The sampler works in float32: a factor whose reciprocal overflows float32 (1 / 1e-39) turns logits into inf
 # and the whole distribution into NaN, so such values are rejected here, by name.
@@ -42,6 +44,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None  # JSON schema / regex / choice / grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -95,6 +98,9 @@ class SamplingParams:
             check_text(s, "stop")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be a list of non-negative integers.")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs must be a StructuredOutputsParams (from specdecode.sampling_params import "
+                f"StructuredOutputsParams), got {type(self.structured_outputs).__name__}.")
 
     @property
     def greedy(self) -> bool:

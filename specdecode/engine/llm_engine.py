@@ -21,6 +21,7 @@ from specdecode.speculative.metrics import SpecDecodeStats
 from specdecode.speculative.ngram import ngram_lookup
 from specdecode.speculative.proposer import Proposal
 from specdecode.speculative.rejection_sampler import rejection_sample
+from specdecode.structured.speculation import commit_token, constrain_proposal, mask_rows, matcher_of
 from specdecode.tokenizer import eos_ids, load_tokenizer
 
 logger = logging.getLogger("specdecode")
@@ -105,6 +106,12 @@ class LLMEngine:
         longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
         return 2 * self.max_model_len * max(longest, 1)
 
+    @functools.cached_property
+    def grammar_compiler(self):
+        """Compiles structured-output constraints for this tokenizer (built at the first constrained request)."""
+        from specdecode.structured.grammar import GrammarCompiler
+        return GrammarCompiler(self.tokenizer, self.target.vocab_size, sorted(self.eos_token_ids))
+
     @classmethod
     def from_kwargs(cls, **kw) -> "LLMEngine":
         return cls(EngineConfig.from_kwargs(**kw))
@@ -151,6 +158,9 @@ class LLMEngine:
         for i in range(params.n):
             p = params if params.n == 1 or params.seed is None else params.clone(seed=(params.seed + i) % 2 ** 64)
             children.append(Request(request_id, text, ids, p, self.tokenizer, max_tokens, self.target.device, i))
+        if params.structured_outputs is not None:  # compiled before queueing: a bad constraint is the caller's error
+            for child in children:
+                child.matcher = self.grammar_compiler.matcher(params.structured_outputs)
         self.scheduler.add(children)
         self._parents[request_id] = children
         self.num_prompt_tokens += len(ids) * params.n
@@ -335,6 +345,10 @@ class LLMEngine:
 
     def _decode(self, reqs: list[Request]) -> None:
         step = self._propose(reqs, len(reqs))
+        if any(matcher_of(r) is not None for r in reqs):  # structured outputs: grammar-checked and forced drafts
+            budgets = [max(0, min(r.max_tokens - r.num_output_tokens - 1, self.max_model_len - len(r.all_token_ids)))
+                       for r in reqs]
+            step.proposal = constrain_proposal(reqs, step.proposal, budgets, self.proposer)
         drafts, draft_probs = step.proposal.tokens, step.proposal.probs
         seqs = [(r.slot, r.num_computed, [r.all_token_ids[-1]] + d) for r, d in zip(reqs, drafts)]
         logits = self.target.forward_rows(seqs, all_logits=True)
@@ -369,6 +383,7 @@ class LLMEngine:
             if r.params.has_penalties:
                 hist = r.output_token_ids
                 rows = apply_penalties(rows, [r.params] * len(rows), [hist + d[:j] for j in range(len(rows))])
+            rows = mask_rows(r, rows, d)  # structured outputs: row j masked by the grammar after d[:j]
             out[i, :len(rows)] = logits_to_probs(rows, [r.params] * len(rows))
         return out
 
@@ -383,7 +398,9 @@ class LLMEngine:
                 r.logprobs.append(lp)
                 r.cumulative_logprob += lp[t]
             r.detok.add(t)
-            if self._check_stop(r, t):
+            grammar_done = commit_token(r, t)  # structured outputs: the grammar follows committed tokens only
+            if self._check_stop(r, t) or grammar_done:
+                r.finish_reason = r.finish_reason or "stop"
                 r.status = Status.FINISHED
                 r.metrics.finished_time = time.time()
                 return

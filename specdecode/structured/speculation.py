@@ -1,0 +1,121 @@
+"""The engine's side of structured outputs: grammar-checked drafts, masked verification rows, commits.
+
+Exactness. A request's output must follow the target restricted to what the grammar allows. The verifier
+masks every target row it checks with the grammar state after the drafts before that row, so the rejection
+sampler works on masked distributions unchanged: greedy rows take the masked argmax, sampled rows accept and
+resample against the masked target. A draft the grammar forbids could never be accepted, so the draft ends
+before it. Tokens the grammar forces are drafted for free (one-hot, a function of the committed state only),
+which keeps the draft distribution the verifier assumes honest.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from specdecode.layers.sampler import argmax
+from specdecode.speculative.proposer import Proposal
+
+
+def matcher_of(request):
+    return getattr(request, "matcher", None)
+
+
+def constrain_proposal(requests: list, prop: Proposal, budgets: list[int], proposer=None) -> Proposal:
+    """prop with each constrained request's drafts fitted to its grammar; request i drafts at most budgets[i].
+
+    - The current state forces text: the drafts are the forced tokens (one-hot). Whether this happens depends
+      only on the committed state, never on what the drafter drew.
+    - Otherwise the drafts end at the first token the grammar forbids. A drafted token the grammar forbids has
+      target probability 0 after masking, so it would be rejected with certainty. Dropping it is exact when it
+      was proposed with certainty (one-hot drafts: the residual after it is the masked target itself) and for
+      greedy requests; a sampled draft-model token stays as the last draft instead, so that the rejection
+      sampler resamples from the residual exactly as it would without the grammar.
+    - A draft that was not cut is extended with the tokens the grammar forces after it (greedy requests: after
+      a cut too); the extension is a function of the tokens before it, one-hot in the draft probabilities.
+    """
+    tokens = [list(d) for d in prop.tokens]
+    probs = prop.probs
+    changed = False
+    for i, r in enumerate(requests):
+        m = matcher_of(r)
+        if m is None:
+            continue
+        d, budget = tokens[i], max(0, budgets[i])
+        forced = m.forced(budget)
+        if forced:
+            new, one_hot_from = forced, 0
+        else:
+            keep = m.valid_prefix(d)
+            certain = (r.params.greedy or probs is None or keep == len(d)
+                       or float(probs[i, keep, d[keep]]) >= 1.0)
+            if keep < len(d) and not certain:
+                new, one_hot_from = d[:keep + 1], keep + 1
+            else:
+                new, one_hot_from = d[:keep], keep
+                if keep == len(d) or r.params.greedy:
+                    m.advance(new)
+                    try:
+                        new = new + m.forced(budget - len(new))
+                    finally:
+                        m.rollback(len(d[:keep]))
+        new = new[:budget]
+        if new == d:
+            continue
+        changed = True
+        tokens[i] = new
+        same = _common(d, new)
+        if proposer is not None and same < len(d):
+            # The drafter cached tokens that are no longer drafted: it forgets them past the shared prefix.
+            proposer.rollback(r, len(r.all_token_ids) + same)
+        if probs is not None and not r.params.greedy and len(new) > one_hot_from:
+            probs = _one_hot_tail(probs, i, one_hot_from, new[one_hot_from:])
+    return Proposal(tokens, probs) if changed else prop
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _one_hot_tail(probs: torch.Tensor, i: int, start: int, toks: list[int]) -> torch.Tensor:
+    need = start + len(toks) - probs.shape[1]
+    if need > 0:
+        probs = torch.cat([probs, probs.new_zeros(probs.shape[0], need, probs.shape[2])], 1)
+    probs[i, start:start + len(toks)] = 0.0
+    probs[i, torch.arange(start, start + len(toks)), torch.tensor(toks)] = 1.0
+    return probs
+
+
+def mask_rows(request, rows: torch.Tensor, drafts: Sequence[int]) -> torch.Tensor:
+    """The request's verification logits [len(drafts) + 1, V] with tokens its grammar forbids at each row set
+    to -inf (row j: the state after drafts[:j]). Unconstrained requests pass through unchanged."""
+    m = matcher_of(request)
+    if m is None:
+        return rows
+    allowed = m.allowed(list(drafts[:rows.shape[0] - 1])).to(rows.device)
+    n, V = rows.shape[0], min(rows.shape[-1], allowed.shape[-1])
+    if request.params.greedy:
+        # A greedy row only needs its argmax: where the model's own choice is allowed, masking changes nothing.
+        top = argmax(rows)
+        if bool((top < V).all()) and bool(allowed[torch.arange(n), top.clamp(max=V - 1)].all()):
+            return rows
+    keep = torch.zeros(rows.shape, dtype=torch.bool, device=rows.device)
+    keep[:, :V] = allowed[:n, :V]
+    return torch.where(keep, rows.float(), float("-inf"))
+
+
+def commit_token(request, token: int) -> bool:
+    """Advance the request's grammar by a committed token; True when the grammar has terminated (its stop
+    token was accepted), which ends the request."""
+    m = matcher_of(request)
+    if m is None:
+        return False
+    if not m.advance([token]):
+        # Cannot happen for tokens drawn from masked rows; a loud error beats silently unconstrained output.
+        raise RuntimeError(f"token {token} violates the request's grammar")
+    return m.is_terminated()

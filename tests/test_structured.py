@@ -1,0 +1,267 @@
+"""Structured outputs (specdecode/structured): constraints compile, outputs follow them, and speculation stays
+exact under them (greedy: token for token the same as constrained plain decoding, computed here by an
+independent loop over the target and xgrammar; sampling: a chi-square test against the masked target)."""
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from helpers_spec import llm_cache, one_thread, sharp_draft, sharp_target  # noqa: F401  (fixtures)
+from test_sampling_distribution import ALPHA, chi2_pvalue
+
+from specdecode import SamplingParams
+from specdecode.layers.sampler import logits_to_probs
+from specdecode.structured import StructuredOutputsParams
+
+jsonschema = pytest.importorskip("jsonschema")
+
+PROMPT = [17, 42, 99, 17, 42, 99, 17, 42]
+MAX_TOKENS = 90
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z ]{1,6}$"},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "role": {"enum": ["admin", "user"]},
+                                           "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 1}},
+          "required": ["name", "age", "role", "tags"], "additionalProperties": False}
+# Compact JSON: a random tiny model would otherwise spend its tokens on the whitespace JSON allows.
+CONSTRAINTS = {
+    "json": StructuredOutputsParams(json=PERSON, disable_any_whitespace=True),
+    "regex": StructuredOutputsParams(regex=r"[a-z]{2,5}-[0-9]{1,3}"),
+    "choice": StructuredOutputsParams(choice=["yes", "no", "maybe not", "n/a \"quoted\""]),
+    "grammar": StructuredOutputsParams(grammar='root ::= "(" [a-c] [a-c]? [a-c]? ("," item)? ")"\nitem ::= [0-9] | "x"'),
+}
+SPEC = {
+    "none": {},
+    "ngram": dict(speculative_model="[ngram]", num_speculative_tokens=4, ngram_prompt_lookup_min=1),
+    "draft_model": "draft",
+}
+
+
+def _valid(kind: str, text: str) -> None:
+    c = CONSTRAINTS[kind]
+    if kind == "json":
+        jsonschema.validate(json.loads(text), PERSON)
+    elif kind == "regex":
+        assert re.fullmatch(c.regex, text), text
+    elif kind == "choice":
+        assert text in c.choice, text
+    else:
+        assert re.fullmatch(r"\([a-c]{1,3}(,[0-9x])?\)", text), text
+
+
+def _reference(model_dir, prompt: list[int], constraint: StructuredOutputsParams, max_tokens: int) -> list[int]:
+    """Constrained plain greedy decoding without the engine: one target pass per token, xgrammar's own
+    bitmask applied to the logits, argmax, until the grammar accepts the stop token or max_tokens."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from specdecode.engine.model_runner import ModelRunner
+    from specdecode.models.loader import load_model
+
+    runner = ModelRunner(load_model(model_dir, "float32", "cpu", 256, None), 1, 256, "cpu")
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    V = runner.vocab_size
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=V, stop_token_ids=[0])
+    compiled = _compile(xgr.GrammarCompiler(info), constraint)
+    m = xgr.GrammarMatcher(compiled)
+    bitmask = xgr.allocate_token_bitmask(1, V)
+    logits = runner.prefill(0, prompt)
+    out: list[int] = []
+    while len(out) < max_tokens and not m.is_terminated():
+        m.fill_next_token_bitmask(bitmask)
+        allowed = torch.tensor([(int(bitmask[0, t // 32]) >> (t % 32)) & 1 for t in range(V)], dtype=torch.bool)
+        t = int(torch.where(allowed, logits.float(), float("-inf")).argmax())
+        assert m.accept_token(t)
+        out.append(t)
+        logits = runner.forward_rows([(0, len(prompt) + len(out) - 1, [t])], all_logits=True)[0][0]
+    return out
+
+
+def _compile(compiler, c: StructuredOutputsParams):
+    if c.json is not None:
+        return compiler.compile_json_schema(json.dumps(c.json), any_whitespace=not c.disable_any_whitespace)
+    if c.regex is not None:
+        return compiler.compile_regex(c.regex)
+    if c.choice is not None:
+        return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in c.choice))
+    return compiler.compile_grammar(c.grammar)
+
+
+@pytest.fixture(scope="module")
+def engines(one_thread, llm_cache, sharp_target, sharp_draft):
+    def get(spec: str):
+        kw = SPEC[spec]
+        if kw == "draft":
+            kw = dict(speculative_model=sharp_draft, num_speculative_tokens=4)
+        return llm_cache.get(sharp_target, max_model_len=256, **kw)
+    return get
+
+
+@pytest.fixture(scope="module")
+def references(sharp_target):
+    return {kind: _reference(sharp_target, PROMPT, c, MAX_TOKENS) for kind, c in CONSTRAINTS.items()}
+
+
+@pytest.mark.parametrize("spec", list(SPEC))
+def test_greedy_equals_constrained_plain_decoding(spec, engines, references):
+    llm = engines(spec)
+    kinds = list(CONSTRAINTS)
+    params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=CONSTRAINTS[k]) for k in kinds]
+    outs = llm.generate(prompt_token_ids=[PROMPT] * len(kinds), sampling_params=params, use_tqdm=False)
+    for kind, o in zip(kinds, outs):
+        c = o.outputs[0]
+        assert list(c.token_ids) == references[kind], f"{kind} with {spec}"
+        assert c.finish_reason == "stop", f"{kind} with {spec}: unfinished {c.text!r}"
+        _valid(kind, c.text)
+
+
+def test_forced_tokens_are_drafted_without_speculation(engines, references):
+    """Method none: the grammar's forced text ('{"name": "' after the prompt, the keys, the enum tails) is
+    drafted at no model cost and verified like any draft."""
+    llm = engines("none")
+    stats = llm.engine.spec_stats
+    before = stats.num_draft_tokens, stats.num_accepted_tokens
+    out = llm.generate(prompt_token_ids=[PROMPT], use_tqdm=False, sampling_params=SamplingParams(
+        temperature=0, max_tokens=MAX_TOKENS, structured_outputs=CONSTRAINTS["json"]))[0].outputs[0]
+    drafted, accepted = stats.num_draft_tokens - before[0], stats.num_accepted_tokens - before[1]
+    assert drafted >= len('{"name":"'), drafted
+    assert accepted == drafted  # forced tokens are the only legal ones: the masked target always takes them
+    assert list(out.token_ids) == references["json"]
+
+
+@pytest.mark.parametrize("spec", ["ngram", "draft_model"])
+def test_sampled_outputs_follow_the_constraint(spec, engines):
+    llm = engines(spec)
+    kinds = list(CONSTRAINTS)
+    params = [SamplingParams(temperature=0.8, seed=s, max_tokens=60, structured_outputs=CONSTRAINTS[k])
+              for s in range(3) for k in kinds]
+    outs = llm.generate(prompt_token_ids=[PROMPT] * len(params), sampling_params=params, use_tqdm=False)
+    for p, o in zip(params, outs):
+        kind = next(k for k, c in CONSTRAINTS.items() if c is p.structured_outputs)
+        if o.outputs[0].finish_reason == "stop":
+            _valid(kind, o.outputs[0].text)
+        else:
+            assert o.outputs[0].finish_reason == "length"
+
+
+def test_unsatisfiable_within_max_tokens_ends_with_length(engines):
+    llm = engines("ngram")
+    out = llm.generate(prompt_token_ids=[PROMPT], use_tqdm=False, sampling_params=SamplingParams(
+        temperature=0, max_tokens=5, structured_outputs=StructuredOutputsParams(regex="a{40}")))[0].outputs[0]
+    assert out.finish_reason == "length" and out.text == "a" * 5
+
+
+def test_grammar_termination_ends_the_request_even_with_ignore_eos(engines):
+    llm = engines("none")
+    out = llm.generate(prompt_token_ids=[PROMPT], use_tqdm=False, sampling_params=SamplingParams(
+        temperature=0, max_tokens=30, ignore_eos=True,
+        structured_outputs=StructuredOutputsParams(choice=["yes", "no"])))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text in ("yes", "no")
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(json={"type": "object", "properties": {"a": {"type": "nonsense"}}}), "json"),
+    (dict(json='{"type": "object",'), "not valid JSON"),
+    (dict(regex="(ab"), "regex"),
+    (dict(grammar='root ::= "a" | ('), "grammar"),
+])
+def test_bad_constraints_are_value_errors(engines, kwargs, needle):
+    llm = engines("none")
+    with pytest.raises(ValueError, match=needle):
+        llm.generate(prompt_token_ids=[PROMPT], use_tqdm=False, sampling_params=SamplingParams(
+            max_tokens=4, structured_outputs=StructuredOutputsParams(**kwargs)))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_params_validation():
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="choice"):
+        StructuredOutputsParams(choice=[])
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(structured_outputs={"json": {}})
+    p = SamplingParams(n=2, seed=1, structured_outputs=StructuredOutputsParams(json='{"type": "object"}'))
+    assert p.clone(seed=2).structured_outputs is p.structured_outputs
+
+
+def test_compiled_grammars_are_cached(engines):
+    compiler = engines("none").engine.grammar_compiler
+    a = compiler.compile(StructuredOutputsParams(regex="[0-9]+"))
+    assert compiler.compile(StructuredOutputsParams(regex="[0-9]+")) is a
+
+
+# ---- sampling: the masked target distribution, exactly ----
+LETTERS = StructuredOutputsParams(regex="[a-z]+")
+N_SAMPLES = 2000
+N_BROKEN = 400
+
+
+def _masked_marginals(model_dir, params: SamplingParams, prompt: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """p(x1) and sum_x1 p(x1) p(x2 | x1) with every row masked by the grammar state before it, then the
+    request's sampling transform (the engine's order: mask, then temperature / top-p)."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from specdecode.engine.model_runner import ModelRunner
+    from specdecode.models.loader import load_model
+
+    runner = ModelRunner(load_model(model_dir, "float32", "cpu", 64, None), 1, 64, "cpu")
+    V = runner.vocab_size
+    info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(str(model_dir)), vocab_size=V,
+                                              stop_token_ids=[0])
+    m = xgr.GrammarMatcher(_compile(xgr.GrammarCompiler(info), LETTERS))
+    bitmask = xgr.allocate_token_bitmask(1, V)
+
+    def masked_probs(logits: torch.Tensor) -> torch.Tensor:
+        m.fill_next_token_bitmask(bitmask)
+        allowed = torch.tensor([(int(bitmask[0, t // 32]) >> (t % 32)) & 1 for t in range(V)], dtype=torch.bool)
+        return logits_to_probs(torch.where(allowed, logits.float(), float("-inf"))[None], [params])[0].double()
+
+    p1 = masked_probs(runner.prefill(0, prompt))
+    marg = torch.zeros_like(p1)
+    for x1 in torch.nonzero(p1 > 1e-9).flatten().tolist():
+        assert m.accept_token(x1)
+        marg += p1[x1] * masked_probs(runner.forward_rows([(0, len(prompt), [x1])], all_logits=True)[0][0])
+        m.rollback(1)
+    return p1.numpy(), marg.numpy()
+
+
+def _second_tokens(llm, params: SamplingParams, n: int, seed0: int) -> np.ndarray:
+    sps = [params.clone(seed=seed0 + i, max_tokens=3, structured_outputs=LETTERS) for i in range(n)]
+    outs = llm.generate(prompt_token_ids=[PROMPT[:6]] * n, sampling_params=sps, use_tqdm=False)
+    assert all(o.outputs[0].finish_reason in ("stop", "length") for o in outs)
+    return np.bincount([o.outputs[0].token_ids[1] for o in outs], minlength=llm.engine.target.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def k1_llm(one_thread, llm_cache, sharp_target, sharp_draft):
+    return llm_cache.get(sharp_target, speculative_model=sharp_draft, num_speculative_tokens=1,
+                         max_model_len=64, max_num_seqs=16)
+
+
+def test_sampling_follows_the_masked_target(k1_llm, sharp_target, monkeypatch):
+    """The 2nd token is the first one the rejection sampler emits, after one draft-model token that the grammar
+    often forbids (it allows only lowercase-letter tokens): its law must be the masked target's marginal. The
+    same test catches a verifier that skips the mask (outputs then leave the grammar, which the engine refuses:
+    the refusal is lifted here to let the statistics see them)."""
+    params = SamplingParams(temperature=0.7)
+    _, marg = _masked_marginals(sharp_target, params, PROMPT[:6])
+    stats = k1_llm.engine.spec_stats
+    drafted0 = stats.num_draft_tokens
+    second = _second_tokens(k1_llm, params, N_SAMPLES, seed0=0)
+    assert stats.num_draft_tokens - drafted0 >= N_SAMPLES // 2
+    pval = chi2_pvalue(second, marg)
+    assert pval > ALPHA, f"2nd token under a grammar does not follow the masked target (p={pval:.2e})"
+
+    import specdecode.engine.llm_engine as eng
+
+    monkeypatch.setattr(eng, "mask_rows", lambda r, rows, d: rows)
+    monkeypatch.setattr(eng, "commit_token", lambda r, t: False)
+    broken = _second_tokens(k1_llm, params, N_BROKEN, seed0=10 ** 6)
+    pval = chi2_pvalue(broken, marg)
+    assert pval < ALPHA, f"a sampler that skips the mask went unnoticed (p={pval:.2e})"
