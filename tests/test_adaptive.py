@@ -81,7 +81,7 @@ def test_adaptive_greedy_equals_plain(proposer, one_thread, llm_cache, tiny_mode
     for p, want in zip(PROMPTS, plain):  # batch 1, so the cost model learns
         assert gen_ids(llm, [p], max_tokens=24, **GREEDY)[0] == want
     # Calibrated when the engine started: every timed row count after a short and a long context.
-    costs = llm.engine.costs
+    costs = llm.engine.proposer.costs
     assert len(costs.verify) == 2
     for table in costs.verify.values():
         assert sorted(table) == calibration_rows(4) and all(s > 0 for s in table.values())
@@ -187,7 +187,7 @@ def test_a_run_always_drafts_at_least_one_more_token():
 def test_calibration_fits_a_tiny_max_model_len(one_thread, llm_cache, tiny_models):
     llm = llm_cache.get(tiny_models["llama"], speculative_model="[ngram]", num_speculative_tokens=8,
                         speculative_adaptive=True, max_model_len=8)
-    assert all(max(t) + min(llm.engine.costs.verify) <= 8 for t in llm.engine.costs.verify.values())
+    assert all(max(t) + min(llm.engine.proposer.costs.verify) <= 8 for t in llm.engine.proposer.costs.verify.values())
     plain = llm_cache.get(tiny_models["llama"], max_model_len=8)
     assert gen_ids(llm, [[5, 6]], max_tokens=5, **GREEDY) == gen_ids(plain, [[5, 6]], max_tokens=5, **GREEDY)
 
@@ -204,21 +204,21 @@ def _hybrid_run(llm_cache, tiny_models, draft, lookup, monkeypatch, **spec):
     """Adaptive ngram_first with a stand-in for prompt lookup (``lookup(plain outputs)`` gives it), on costs
     where drafting pays whenever drafts are accepted; greedy output must stay plain's. Returns the engine's
     spec stats and the engine-wide first-token rate of looked-up drafts."""
-    import specdecode.engine.llm_engine as le
+    import specdecode.speculative.ngram as le
 
     plain = gen_ids(llm_cache.get(tiny_models["llama"]), PROMPTS, max_tokens=24, **GREEDY)
     llm = llm_cache.get(tiny_models["llama"], speculative_model=draft, num_speculative_tokens=3,
                         speculative_adaptive=True, speculative_ngram_first=True, **spec)
     eng = llm.engine
-    saved = eng.costs
-    eng.costs = _costs({1: 0.10, 2: 0.10, 3: 0.10, 4: 0.10}, 0.01)
+    saved = eng.proposer.costs
+    eng.proposer.costs = _costs({1: 0.10, 2: 0.10, 3: 0.10, 4: 0.10}, 0.01)
     monkeypatch.setattr(le, "ngram_lookup", lookup(plain))
     try:
         for p, want in zip(PROMPTS * 2, plain * 2):
             assert gen_ids(llm, [p], max_tokens=24, **GREEDY)[0] == want
-        return eng.spec_stats, eng.costs.lookup_prior.kind_rates()[0]
+        return eng.spec_stats, eng.proposer.costs.lookup_prior.kind_rates()[0]
     finally:
-        eng.costs = saved
+        eng.proposer.costs = saved
 
 
 def test_hybrid_turns_off_failing_lookups_but_keeps_a_good_draft_model(one_thread, llm_cache, tiny_models,
@@ -260,5 +260,35 @@ def test_hybrid_lookups_go_deeper_than_the_draft_model(one_thread, llm_cache, ti
     assert len(s.accepted_per_pos) > 3 and s.accepted_per_pos[3] > 0
     costs = llm_cache.get(tiny_models["llama"], speculative_model=noisy_drafts["llama"], num_speculative_tokens=3,
                           speculative_adaptive=True, speculative_ngram_first=True,
-                          prompt_lookup_num_tokens=8).engine.costs
+                          prompt_lookup_num_tokens=8).engine.proposer.costs
     assert all(sorted(t) == calibration_rows(8) for t in costs.verify.values())
+
+
+def test_calibration_is_kept_on_disk_and_a_broken_cache_is_rebuilt(one_thread, tiny_models, tmp_path, monkeypatch,
+                                                                     caplog):
+    """The calibration is timed once per setup and read back by later engine starts (the same numbers, no
+    timing); an unreadable cache file is reported in one line and replaced, never used."""
+    import json
+
+    import specdecode.speculative.adaptive as ad
+    from specdecode import LLM
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    monkeypatch.setattr(ad, "_CALIBRATED", {})  # a fresh process
+    timed = []
+    real = ad.calibrate
+    monkeypatch.setattr(ad, "calibrate", lambda *a, **k: timed.append(1) or real(*a, **k))
+    kw = dict(speculative_model="[ngram]", num_speculative_tokens=3, speculative_adaptive=True, max_model_len=128)
+    first = LLM(str(tiny_models["llama"]), **kw).engine.proposer.costs
+    stored = json.loads((tmp_path / "adaptive_costs.json").read_text())
+    assert len(stored) == 1 and timed == [1]
+    monkeypatch.setattr(ad, "_CALIBRATED", {})
+    again = LLM(str(tiny_models["llama"]), **kw).engine.proposer.costs
+    assert timed == [1] and again.verify == first.verify  # read back, not timed again
+    (tmp_path / "adaptive_costs.json").write_text('{"truncated": ')
+    monkeypatch.setattr(ad, "_CALIBRATED", {})
+    with caplog.at_level("WARNING", logger="specdecode"):
+        rebuilt = LLM(str(tiny_models["llama"]), **kw).engine.proposer.costs
+    assert timed == [1, 1] and sorted(rebuilt.verify) == sorted(first.verify)
+    assert any("unreadable speculation cost cache" in r.getMessage() for r in caplog.records)
+    assert len(json.loads((tmp_path / "adaptive_costs.json").read_text())) == 1

@@ -260,7 +260,7 @@ def test_a_copy_opened_by_the_draft_model_stays_exact(plain, llm_cache, tiny_mod
     what followed it and the draft model stops. A lookup that knows plain greedy's continuation (corrupted
     at every third call, so copies are also rejected part way) and finds nothing on the contexts the steps
     start from, so every copy is one that draft-model tokens opened."""
-    import specdecode.engine.llm_engine as le
+    import specdecode.speculative.ngram as le
 
     fam = "llama"
     want = plain(fam)[0]
@@ -284,13 +284,13 @@ def test_a_copy_opened_by_the_draft_model_stays_exact(plain, llm_cache, tiny_mod
                 return found
         return []
     copies = []
-    real_observe = eng._observe
+    real_observe = eng.proposer._observe_step
 
     def observe(r, drafted, accepted, looked_up, found, emitted, copied_from):
         copies.append((copied_from, len(drafted), accepted))
         return real_observe(r, drafted, accepted, looked_up, found, emitted, copied_from)
     monkeypatch.setattr(le, "ngram_lookup", lookup)
-    monkeypatch.setattr(eng, "_observe", observe)
+    monkeypatch.setattr(eng.proposer, "_observe_step", observe)
     outs = _generate(llm, PROMPTS, max_tokens=MAX_TOKENS, **GREEDY)
     assert [list(o.outputs[0].token_ids) for o in outs] == want
     opened = [c for c in copies if c[0] is not None]
@@ -346,7 +346,7 @@ def test_ngram_first_keeps_greedy_exact(fam, plain, llm_cache, tiny_models, nois
     both sources of drafts are used."""
     llm = llm_cache.get(tiny_models[fam], speculative_model=noisy_drafts[fam], num_speculative_tokens=4,
                         speculative_ngram_first=True, ngram_prompt_lookup_min=2)
-    import specdecode.engine.llm_engine as le
+    import specdecode.speculative.ngram as le
 
     looked = []
 
@@ -361,7 +361,7 @@ def test_ngram_first_keeps_greedy_exact(fam, plain, llm_cache, tiny_models, nois
         le.ngram_lookup = real_lookup
     proposer = llm.engine.proposer
     assert [list(o.outputs[0].token_ids) for o in outs] == plain(fam)[0]
-    assert sum(looked) > 0 and proposer.runner.num_passes > 0
+    assert sum(looked) > 0 and proposer.draft_runner.num_passes > 0
 
 
 def test_deeper_lookups_than_the_draft_model_keep_greedy_exact(plain, llm_cache, tiny_models, noisy_drafts,
@@ -369,7 +369,7 @@ def test_deeper_lookups_than_the_draft_model_keep_greedy_exact(plain, llm_cache,
     """prompt_lookup_num_tokens: lookups draft up to 8 tokens while the draft model drafts 2. A lookup that
     knows plain greedy's continuation, corrupted at every third step, so that deep drafts are verified, cut
     short and followed by draft-model steps whose cache must catch up on the copied tokens."""
-    import specdecode.engine.llm_engine as le
+    import specdecode.speculative.ngram as le
 
     fam = "llama"
     want = plain(fam)[0]
@@ -394,4 +394,4 @@ def test_deeper_lookups_than_the_draft_model_keep_greedy_exact(plain, llm_cache,
     stats = llm.engine.spec_stats
     assert set(caps) >= {8} and max(caps) == 8
     assert len(stats.accepted_per_pos) == 8 and stats.accepted_per_pos[4] > 0  # runs past the draft model's k
-    assert llm.engine.proposer.runner.num_passes > 0
+    assert llm.engine.proposer.draft_runner.num_passes > 0

@@ -298,9 +298,9 @@ def e2e_llm_hybrid_adaptive(one_thread, llm_cache, sharp_target, sharp_draft):
     for rows in range(1, K_E2E + 2):
         costs.add(0, rows, 0.10)
     costs.add_draft(0, 0.01)
-    saved, llm.engine.costs = llm.engine.costs, costs
+    saved, llm.engine.proposer.costs = llm.engine.proposer.costs, costs
     yield llm
-    llm.engine.costs = saved
+    llm.engine.proposer.costs = saved
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
@@ -318,18 +318,18 @@ def test_end_to_end_with_ngram_first(adaptive, request, sharp_target, monkeypatc
     in_prompt[prompt] = True
     # Both kinds of draft must be common for the test to say anything about their mix.
     assert 0.1 < p1[in_prompt].sum() < 0.9, p1[in_prompt].sum()
-    import specdecode.engine.llm_engine as le
+    import specdecode.speculative.ngram as le
 
     found = []
     real_lookup = le.ngram_lookup
     monkeypatch.setattr(le, "ngram_lookup", lambda *a: found.append(bool(real_lookup(*a))) or real_lookup(*a))
     stats = llm.spec_decode_metrics
-    drafted0, lookups0 = stats.num_draft_tokens, llm.engine.costs.lookup_prior.first_n
+    drafted0, lookups0 = stats.num_draft_tokens, llm.engine.proposer.costs.lookup_prior.first_n
     first, second = _sample(llm, params, N_E2E, seed0=7 * 10**5, prompt=prompt)
     assert stats.num_draft_tokens - drafted0 >= N_E2E // (4 if adaptive else 1)
     assert 0.1 < np.mean(found) < 0.9  # n-gram and draft-model drafts, mixed in the batches
     if adaptive:
-        assert llm.engine.costs.lookup_prior.first_n != lookups0  # lookups were scored
+        assert llm.engine.proposer.costs.lookup_prior.first_n != lookups0  # lookups were scored
     pval = chi2_pvalue(second, marg)
     assert pval > ALPHA, f"2nd token with n-gram-first drafts does not follow the target (p={pval:.2e})"
 
@@ -370,13 +370,13 @@ def test_end_to_end_third_token_with_confidence_stops_and_opened_copies(e2e_llm_
     marg = _third_token_marginal(sharp_target, params, prompt)
     eng = e2e_llm_copy.engine
     kinds = []
-    real_observe = eng._observe
+    real_observe = eng.proposer._observe_step
 
     def observe(r, drafted, accepted, looked_up, found, emitted, copied_from):
         if r.num_output_tokens == 1:  # the step that drafts the 2nd and 3rd tokens
             kinds.append("lookup" if looked_up else "copy" if copied_from is not None else len(drafted))
         return real_observe(r, drafted, accepted, looked_up, found, emitted, copied_from)
-    monkeypatch.setattr(eng, "_observe", observe)
+    monkeypatch.setattr(eng.proposer, "_observe_step", observe)
     (third,) = _sample(e2e_llm_copy, params, N_E2E, seed0=9 * 10**5, prompt=prompt, max_tokens=4, positions=(2,))
     share = {k: kinds.count(k) / len(kinds) for k in ("lookup", "copy", 1, 2)}
     assert len(kinds) == N_E2E

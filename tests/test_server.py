@@ -488,3 +488,23 @@ def test_sigterm_graceful_shutdown(tiny_models):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_metrics_carry_vllms_spec_decode_names(url, client):
+    """/metrics exposes vLLM's vllm:spec_decode_* counters (so vLLM dashboards work), equal to the
+    specdecode: ones, and they move with a request's drafts."""
+    before = scrape(url)
+    r = client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=24, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    after = scrape(url)
+    assert r.usage.completion_tokens == 24
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        ours, vllm = f"specdecode:spec_decode_{name}_total", f"vllm:spec_decode_{name}_total"
+        assert after[vllm] == after[ours]
+        assert after[vllm] - before.get(vllm, 0) == after[ours] - before.get(ours, 0)
+    assert after["vllm:spec_decode_num_drafts_total"] > before.get("vllm:spec_decode_num_drafts_total", 0)
+    per_pos = {k: v for k, v in after.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos")}
+    assert per_pos and all('position="' in k for k in per_pos)
+    assert sum(per_pos.values()) == after["vllm:spec_decode_num_accepted_tokens_total"]
+    for k, v in per_pos.items():
+        assert after[k.replace("vllm:", "specdecode:", 1)] == v

@@ -1,11 +1,11 @@
 """Runs the baseline and speculative configs over a prompt set, interleaved, on one loaded engine.
 
 Engine sharing: the target model (and the draft model, when any config uses one) is loaded exactly once.
-Before each generation the runner switches ``engine.proposer`` and ``engine.config.speculative`` to the
-config being measured: ``None`` for the baseline, an ``NgramProposer`` for n-gram configs, and the engine's
-own ``DraftModelProposer`` for draft configs, with k set per config. Proposers keep no state across requests
-(a request's draft-cache length lives on the request), so switching between requests is safe, and every config
-runs on the very same target weights, KV cache and threads, which is what a fair speedup needs.
+Before each generation the runner switches the engine to the config being measured with
+``engine.set_speculative`` (None for the baseline). The engine keeps one proposer per config, so each config
+keeps what it learned (adaptive k's acceptance, suffix decoding's cache of earlier outputs) as it would
+running alone, and every config runs on the very same target weights, KV cache and threads, which is what a
+fair speedup needs.
 
 Interleaving: for each prompt, every config runs once before the next prompt starts, and the order of configs
 rotates from prompt to prompt, so slow drifts of the machine (thermal, other load) hit all configs alike.
@@ -13,8 +13,9 @@ Before measuring, each config makes one warm-up generation that is not counted.
 
 Timing: TTFT runs from adding the request to its first token (the target's prefill). Decode time runs from
 the first token to the last, minus the draft model's own pass over the prompt, which this engine does lazily
-in the first decode step; it is timed separately (``draft_prefill_s``) because it belongs to the prefill
-phase (vLLM runs it in the prefill step). End-to-end latency includes everything.
+at the first step that drafts with it; the proposer times it (``Proposer.prefill_seconds``) and it is
+reported apart (``draft_prefill_s``) because it belongs to the prefill phase (vLLM runs it in the prefill
+step). End-to-end latency includes everything.
 
 Memory: all configs share one process, so RSS cannot be split between them exactly. Per config we report the
 peak RSS sampled after every engine step while that config ran (``peak_rss_mb``; process-wide, so it includes
@@ -23,7 +24,6 @@ models other configs loaded) and the bytes of weights and KV cache of the models
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import itertools
 import logging
@@ -38,7 +38,11 @@ from specdecode.speculative.metrics import SpecDecodeStats
 
 logger = logging.getLogger("specdecode")
 
-METHODS = ("ngram", "draft", "hybrid")  # hybrid: n-gram lookup first, the draft model where nothing matches
+# hybrid: n-gram lookup first, the draft model where nothing matches; suffix: suffix decoding; suffix-draft:
+# suffix matches first, the draft model where none is found
+METHODS = ("ngram", "draft", "hybrid", "suffix", "suffix-draft")
+DRAFT_METHODS = ("draft", "hybrid", "suffix-draft")  # the methods that run the draft model
+LOOKUP_METHODS = ("hybrid", "suffix-draft")  # the methods with a lookup cap of their own (lookup_k)
 
 MEMORY_NOTE = ("peak_rss_mb: process RSS (psutil) sampled after every engine step while the config ran; all "
                "configs share one process and one loaded target, so it includes every loaded model. "
@@ -49,26 +53,26 @@ MEMORY_NOTE = ("peak_rss_mb: process RSS (psutil) sampled after every engine ste
 @dataclass(frozen=True)
 class BenchConfig:
     name: str
-    method: str | None  # None (baseline), "ngram", "draft" or "hybrid"
+    method: str | None  # None (baseline) or one of METHODS
     k: int = 0
     p_min: float = 0.0  # draft / hybrid: SpeculativeConfig.draft_p_min
     confidence: float = 0.0  # draft / hybrid: SpeculativeConfig.draft_confidence
     vocab: int | None = None  # draft / hybrid: SpeculativeConfig.draft_vocab_size (None: the full LM head)
-    lookup_k: int | None = None  # hybrid: SpeculativeConfig.prompt_lookup_num_tokens (None: k)
+    lookup_k: int | None = None  # hybrid / suffix-draft: SpeculativeConfig.prompt_lookup_num_tokens (None: k)
 
 
 def make_configs(methods: list[str], ks: list[int], p_mins: list[float] = (0.0,),
                  vocab_sizes: list[int | None] = (None,), lookup_ks: list[int | None] = (None,),
                  confidences: list[float] = (0.0,)) -> list[BenchConfig]:
     """Baseline first, then each method x k (x draft_p_min x draft_confidence x draft_vocab_size for the
-    methods that run the draft model, x lookup k for hybrid)."""
+    methods that run the draft model, x lookup k for hybrid and suffix-draft)."""
     configs = [BenchConfig("baseline", None, 0)]
     for m in methods:
         for k in ks:
-            draft = m in ("draft", "hybrid")
+            draft = m in DRAFT_METHODS
             for p, c, v in itertools.product(*((p_mins, confidences, vocab_sizes) if draft else
                                                ((0.0,), (0.0,), (None,)))):
-                for lk in (lookup_ks if m == "hybrid" else (None,)):
+                for lk in (lookup_ks if m in LOOKUP_METHODS else (None,)):
                     lk = None if lk == k else lk
                     name = (f"{m} k={k}" + (f" p={p:g}" if p else "") + (f" c={c:g}" if c else "")
                             + (f" v={v}" if v else "") + (f" lookup={lk}" if lk else ""))
@@ -238,44 +242,14 @@ def measure_memory_bandwidth(mib: int = 1024, repeats: int = 5) -> float:
     return buf.nbytes / best / 1e9
 
 
-class DraftPrefillTimer:
-    """Wraps a draft-model proposer so that the draft's prefill of a new request is timed on its own.
-
-    The engine prefills the draft lazily, inside the first propose() of a request, so that work would land
-    in the decode phase. Here the prompt (all but the newest token) goes through the draft first, timed, and
-    the inner proposer then only catches up on the newest token. The result is the same draft cache; the
-    time is reported as ``draft_prefill_s`` and excluded from decode time (vLLM prefills the draft with the
-    target, in the prefill step)."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.elapsed = 0.0
-
-    def propose(self, requests: list, ks: list[int], **kw):
-        runner = getattr(self.inner, "runner", None)
-        for r, k in zip(requests, ks):
-            if k > 0 and runner is not None and getattr(r, "draft_computed", None) == 0 and len(r.all_token_ids) > 1:
-                t0 = time.perf_counter()
-                self.inner.prefill(r, len(r.all_token_ids) - 1)
-                self.elapsed += time.perf_counter() - t0
-        return self.inner.propose(requests, ks, **kw)
-
-    def rollback(self, request, valid_len: int) -> None:
-        self.inner.rollback(request, valid_len)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-
 def run_timed(engine, rid: str, ids: list[int], params, on_step=None, should_abort=None) -> dict:
     """Runs one request to the end on ``engine`` and times it: request added (t0), first token, last token.
 
     ``on_step(output)`` runs after every engine step with this request's output of that step (or None);
     ``should_abort()`` is polled before each step and aborts the request once it returns True. The draft's
-    prefill time is taken from a ``DraftPrefillTimer`` proposer when there is one."""
-    timer = engine.proposer if isinstance(engine.proposer, DraftPrefillTimer) else None
-    if timer is not None:
-        timer.elapsed = 0.0
+    prefill time is what the proposer spent on it meanwhile (``Proposer.prefill_seconds``)."""
+    proposer = engine.proposer
+    prefill0 = proposer.prefill_seconds if proposer is not None else 0.0
     t0 = time.perf_counter()
     engine.add_request(rid, None, params, prompt_token_ids=ids)
     t_first = t_end = final = None
@@ -297,7 +271,8 @@ def run_timed(engine, rid: str, ids: list[int], params, on_step=None, should_abo
         if final is None and not engine.has_unfinished_requests():
             raise RuntimeError("the engine stopped without finishing the request")
     return {"output": final, "t0": t0, "t_first": t_end if t_first is None else t_first, "t_end": t_end,
-            "aborted": aborted, "draft_prefill": timer.elapsed if timer is not None else 0.0}
+            "aborted": aborted,
+            "draft_prefill": proposer.prefill_seconds - prefill0 if proposer is not None else 0.0}
 
 
 class BenchRunner:
@@ -308,23 +283,17 @@ class BenchRunner:
         self.engine = None
         self.use_chat = False
         self._counter = 0
-        self._proposers: dict[str | None, object] = {}
         self._spec: dict[str, object] = {}
         self._model_mb: dict[str | None, float] = {}
-        self._costs: dict[str, object] = {}
-        self._calibrated: dict[int | None, object] = {}  # adaptive k: draft_vocab_size -> the engine's cost
-        # calibration with that draft head, copied per config
-        self._draft_heads: dict[int | None, object] = {}  # draft_vocab_size -> the ids its head keeps
         self.draft_path = None
         self._ngram_mins: dict[str, int] = {}
 
     # ---- setup ----
     def load(self) -> None:
         from specdecode.engine.llm_engine import LLMEngine
-        from specdecode.speculative.ngram import NgramProposer
 
         s = self.s
-        need_draft = "draft" in s.methods or "hybrid" in s.methods
+        need_draft = any(m in DRAFT_METHODS for m in s.methods)
         kw = dict(model=s.model, max_num_seqs=1, dtype=s.dtype, quantization=s.quantization, seed=s.seed,
                   num_threads=s.num_threads, max_model_len=s.max_model_len, compile=s.compile)
         kmax = max(s.ks + [lk for lk in s.lookup_ks if lk and "hybrid" in s.methods]) if s.ks else 1
@@ -345,17 +314,13 @@ class BenchRunner:
         eng = self.engine = LLMEngine.from_kwargs(**kw)
         target_mb = module_bytes(eng.target.model) / 2**20
         self._weight_bytes = {"target": linear_weight_bytes(eng.target.model)}
-        self._proposers = {None: None, "ngram": NgramProposer(ngram_min, s.ngram_max)}
-        self._model_mb = {None: target_mb, "ngram": target_mb}
-        if need_draft:
-            self._proposers["draft"] = DraftPrefillTimer(eng.proposer)
-            self._proposers["hybrid"] = self._proposers["draft"]  # the engine does the lookups (ngram_first)
-            self.draft_path = getattr(eng, "draft_path", None)
-            runner = getattr(eng.proposer, "runner", None)
-            self._model_mb["draft"] = target_mb + (module_bytes(runner.model) / 2**20 if runner else 0.0)
-            self._model_mb["hybrid"] = self._model_mb["draft"]
-            if runner is not None:
-                self._weight_bytes["draft"] = linear_weight_bytes(runner.model)
+        self._model_mb = {m: target_mb for m in (None,) + METHODS}
+        runner = eng.draft_runner
+        if runner is not None:
+            self.draft_path = eng.draft_path
+            self._weight_bytes["draft"] = linear_weight_bytes(runner.model)
+            for m in DRAFT_METHODS:
+                self._model_mb[m] = target_mb + module_bytes(runner.model) / 2**20
         self.memory_bandwidth_gbps = measure_memory_bandwidth()
         from specdecode.config import SpeculativeConfig
         base = eng.config.speculative
@@ -364,51 +329,28 @@ class BenchRunner:
                 self._spec[c.name] = SpeculativeConfig(method="ngram", num_speculative_tokens=c.k,
                                                        prompt_lookup_min=ngram_min, prompt_lookup_max=s.ngram_max,
                                                        adaptive=s.adaptive)
-            elif c.method in ("draft", "hybrid"):
+            elif c.method == "suffix":
+                self._spec[c.name] = SpeculativeConfig(method="suffix", num_speculative_tokens=c.k,
+                                                       adaptive=s.adaptive)
+            elif c.method in DRAFT_METHODS:
                 hybrid = c.method == "hybrid"
+                lookups = c.method in LOOKUP_METHODS
                 self._spec[c.name] = dataclasses.replace(
-                    base, num_speculative_tokens=c.k, adaptive=s.adaptive, draft_p_min=c.p_min,
+                    base, method="suffix" if c.method == "suffix-draft" else "draft_model",
+                    num_speculative_tokens=c.k, adaptive=s.adaptive, draft_p_min=c.p_min,
                     draft_confidence=c.confidence, ngram_first=hybrid,
                     draft_vocab_size=c.vocab, token_map=base.token_map if c.vocab else None,
                     prompt_lookup_min=hybrid_min if hybrid else base.prompt_lookup_min,
                     prompt_lookup_max=s.ngram_max if hybrid else base.prompt_lookup_max,
-                    prompt_lookup_num_tokens=c.lookup_k if hybrid else None)
-        if s.adaptive:  # a truncated draft head makes the draft step cheaper, so each head gets its own timing
-            drafting = [c for c in self.configs if c.method in ("draft", "hybrid")]
-            for vocab in dict.fromkeys(c.vocab for c in drafting):
-                self._set_draft_head(next(c for c in drafting if c.vocab == vocab))
-                self._calibrated[vocab] = eng.calibrate_costs()
-            if None not in self._calibrated:
-                self._calibrated[None] = eng.calibrate_costs()
+                    prompt_lookup_num_tokens=c.lookup_k if lookups else None)
         has_template = bool(getattr(eng.tokenizer, "chat_template", None))
         if s.chat_template == "on" and not has_template:
             raise ValueError("--chat-template on: this model's tokenizer has no chat template")
         self.use_chat = has_template if s.chat_template == "auto" else s.chat_template == "on"
 
-    def _set_draft_head(self, cfg: BenchConfig) -> None:
-        """The configs share one draft proposer; its stopping rules and LM head are the parts of a config it
-        holds."""
-        from specdecode.speculative.draft_vocab import draft_head_ids
-
-        draft = self._proposers[cfg.method].inner
-        draft.p_min = cfg.p_min
-        draft.confidence = cfg.confidence
-        draft.set_vocab(self._draft_heads.setdefault(cfg.vocab, draft_head_ids(
-            self._spec[cfg.name], self.engine.tokenizer, self.engine.eos_token_ids,
-            draft.runner.model.args.vocab_size)))
-
     def _activate(self, cfg: BenchConfig) -> None:
-        from specdecode.speculative.adaptive import CostModel
-
-        self.engine.proposer = self._proposers[cfg.method]
-        self.engine.config.speculative = self._spec.get(cfg.name)
-        if cfg.method in ("draft", "hybrid"):
-            self._set_draft_head(cfg)
-        # Each config learns its own acceptance, as it would running alone.
-        if cfg.name not in self._costs:
-            calibrated = self._calibrated.get(cfg.vocab)
-            self._costs[cfg.name] = copy.deepcopy(calibrated) if calibrated else CostModel()
-        self.engine.costs = self._costs[cfg.name]
+        # The engine keeps one proposer per config: each learns its own acceptance, as it would running alone.
+        self.engine.set_speculative(self._spec.get(cfg.name))
 
     def encode(self, text: str) -> list[int]:
         from specdecode.tokenizer import apply_chat_template
@@ -431,7 +373,7 @@ class BenchRunner:
         rid = f"bench-{self._counter}"
         self._counter += 1
         rss = [_rss_mb()]  # sampled after every engine step
-        draft_runner = getattr(eng.proposer, "runner", None) if isinstance(eng.proposer, DraftPrefillTimer) else None
+        draft_runner = eng.proposer.draft_runner if eng.proposer is not None else None
         passes0 = (eng.target.num_passes, draft_runner.num_passes if draft_runner is not None else 0)
         run = run_timed(eng, rid, ids, params, on_step=lambda _: rss.append(_rss_mb()))
         final, t0, t_first, t_end = run["output"], run["t0"], run["t_first"], run["t_end"]
@@ -514,7 +456,7 @@ class BenchRunner:
             "processor": platform.processor() or None, "load_time_s": eng.load_time, "bench_wall_time_s": wall,
             "warmup": "one excluded generation per config" if s.warmup else "none",
             "interleaving": "per prompt, all configs, order rotated each prompt",
-            "engine_sharing": "one engine: target (and draft) loaded once; proposer switched per config",
+            "engine_sharing": "one engine: target (and draft) loaded once; engine.set_speculative per config",
             "timing_note": "decode tokens/s = (output tokens - 1) / (last token time - first token time - draft "
                            "prefill time); TTFT = first token time - request time",
             "process_peak_rss_mb": _max_rss_mb(), "memory_note": MEMORY_NOTE,

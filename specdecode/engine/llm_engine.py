@@ -4,11 +4,9 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass
-
 import torch
 
-from specdecode.config import EngineConfig, check_draft_compatible
+from specdecode.config import EngineConfig, SpeculativeConfig, check_draft_compatible
 from specdecode.engine.model_runner import ModelRunner
 from specdecode.engine.request import Request, Status
 from specdecode.engine.scheduler import QueueFullError, Scheduler
@@ -16,10 +14,9 @@ from specdecode.layers.sampler import apply_penalties, logits_to_probs, logprobs
 from specdecode.models.loader import load_model
 from specdecode.outputs import RequestOutput
 from specdecode.sampling_params import SamplingParams, check_text
-from specdecode.speculative.adaptive import CostModel, calibrate, choose_k, next_k
+from specdecode.speculative import build_proposer, uses_draft_model
 from specdecode.speculative.metrics import SpecDecodeStats
-from specdecode.speculative.ngram import ngram_lookup
-from specdecode.speculative.proposer import Proposal
+from specdecode.speculative.proposer import Proposal, Proposer
 from specdecode.speculative.rejection_sampler import rejection_sample
 from specdecode.structured.speculation import commit_token, constrain_proposal, mask_rows, matcher_of
 from specdecode.tokenizer import eos_ids, load_tokenizer
@@ -27,15 +24,6 @@ from specdecode.tokenizer import eos_ids, load_tokenizer
 logger = logging.getLogger("specdecode")
 
 __all__ = ["LLMEngine", "QueueFullError"]
-
-
-@dataclass
-class StepDrafts:
-    """One step's drafts and where they came from, so that adaptive k learns each kind's acceptance."""
-    proposal: Proposal
-    looked_up: list[bool]            # request i's drafts were looked up in its context
-    found: list[list[int]]           # ngram_first: the lookup that matched at the step's start, used or not
-    copied_from: list[int | None]    # ngram_first: where a copy opened by the draft model's tokens begins
 
 
 class LLMEngine:
@@ -54,50 +42,70 @@ class LLMEngine:
         self.target = ModelRunner(target, c.max_num_seqs, self.max_model_len, c.device)
         self.eos_token_ids = eos_ids(self.tokenizer, target.hf_config)
         self.model_path = target_path
-        self.proposer = None
+        self.proposer: Proposer | None = None
+        self.draft_runner: ModelRunner | None = None  # the draft model's, when a speculative method uses one
+        self.draft_path = None
         spec = c.speculative
-        if spec is not None and spec.method == "ngram":
-            from specdecode.speculative.ngram import NgramProposer
-            self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        elif spec is not None:
-            from specdecode.speculative.draft_model import DraftModelProposer
-            from specdecode.speculative.draft_vocab import draft_head_ids
+        if uses_draft_model(spec):
             draft_path = resolve_model(None if spec.model == "default" else spec.model, "draft")
             draft = load_model(draft_path, c.dtype, c.device, self.max_model_len, c.draft_quantization())
             check_draft_compatible(self.tokenizer, load_tokenizer(draft_path, draft.is_gguf),
                                    target.model.param_count(), draft.model.param_count(),
                                    target.model.args.vocab_size, draft.model.args.vocab_size)
             self.draft_path = draft_path
-            keep = draft_head_ids(spec, self.tokenizer, self.eos_token_ids, draft.model.args.vocab_size)
-            self.proposer = DraftModelProposer(ModelRunner(draft, c.max_num_seqs, self.max_model_len, c.device),
-                                               target.model.args.vocab_size, spec.draft_p_min, keep,
-                                               spec.draft_confidence)
+            self.draft_runner = ModelRunner(draft, c.max_num_seqs, self.max_model_len, c.device)
         if c.compile:
-            for runner in (self.target, getattr(self.proposer, "runner", None)):
+            for runner in (self.target, self.draft_runner):
                 if runner is not None:
                     runner.model.compile_decode()
         self.load_time = time.perf_counter() - t0
         self.scheduler = Scheduler(c.max_num_seqs, c.max_waiting_requests)
         self.spec_stats = SpecDecodeStats()
-        self.costs = CostModel()
-        if spec is not None and spec.adaptive:
-            self.costs = self.calibrate_costs()
+        self._proposers: dict[str, Proposer | None] = {}  # by config: switching back resumes what it learned
+        self._shared: dict = {}  # what proposers over the one draft model share (truncated heads)
+        self.set_speculative(spec)
         self._parents: dict[str, list[Request]] = {}
         self._counter = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
 
-    def calibrate_costs(self) -> CostModel:
-        """Time target passes and draft steps for adaptive k (a few seconds on a CPU). Only while no
-        request is running: it uses cache slot 0 as scratch."""
+    def set_speculative(self, spec: SpeculativeConfig | dict | None) -> None:
+        """Switch speculative decoding on this loaded engine, between requests: a SpeculativeConfig (or a
+        dict in vLLM's ``speculative_config`` form), or None for plain decoding. A method with a draft model
+        uses the draft this engine loaded. Each config keeps its proposer, so switching back to it resumes
+        what it learned (acceptance, cached suffixes), as if it had run alone."""
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("set_speculative() needs an idle engine: running requests hold proposer state.")
+        if isinstance(spec, dict):
+            spec = SpeculativeConfig.from_dict(spec)
+        key = repr(spec)
+        if key not in self._proposers:
+            proposer = build_proposer(spec, self.draft_runner, self.target.vocab_size, self.tokenizer,
+                                      self.eos_token_ids, self._shared)
+            if proposer is not None and spec.adaptive:
+                self.proposer = proposer
+                self.calibrate_costs()
+            self._proposers[key] = proposer
+        self.proposer = self._proposers[key]
+        self.config.speculative = spec
+
+    def calibrate_costs(self, refresh: bool = False):
+        """The pass costs adaptive k weighs, for the current proposer: timed once (a few seconds on a CPU)
+        and kept in the cache folder per model files, weight formats, CPU, kernel path and threads, so later
+        starts take them from there; ``refresh`` times them again. Only while no request is running: timing
+        uses cache slot 0 as scratch."""
         if self.scheduler.has_unfinished():
             raise RuntimeError("calibrate_costs() needs an idle engine: it uses a cache slot as scratch.")
-        spec = self.config.speculative
-        t0 = time.perf_counter()
-        costs = calibrate(self.target, getattr(self.proposer, "runner", None),
-                          spec.max_k if spec is not None else 1, self.max_model_len)
-        logger.info("Calibrated adaptive speculation costs in %.1f s", time.perf_counter() - t0)
-        return costs
+        if self.proposer is None:
+            raise RuntimeError("calibrate_costs(): this engine has no speculative method to calibrate for.")
+        from specdecode.layers import kernels
+
+        c = self.config
+        identity = {"target": self.model_path, "draft": self.draft_path, "quantization": c.quantization,
+                    "draft_quantization": c.draft_quantization(), "dtype": c.dtype, "device": str(self.target.device),
+                    "kv_cache_dtype": getattr(c, "kv_cache_dtype", None), "threads": torch.get_num_threads(),
+                    "kernel": kernels.describe() if self.target.device.type == "cpu" else torch.__version__}
+        return self.proposer.calibrate(self.target, self.max_model_len, identity, refresh)
 
     @functools.cached_property
     def max_prompt_chars(self) -> int:
@@ -240,118 +248,45 @@ class LLMEngine:
                                   torch.zeros(1, 0, dtype=torch.long, device=logits.device), [0], None,
                                   [r.params.greedy], [r.generator])
         r.metrics.first_token_time = time.time()
+        if self.proposer is not None:
+            self.proposer.prefill(r)
         self._commit(r, result.tokens[0], logits[None])
 
-    def _spec_budget(self, r: Request, n_running: int, k: int) -> int:
-        """The most tokens r may draft this step: k, clamped to the tokens left."""
+    def _budgets(self, reqs: list[Request]) -> list[int]:
+        """The most tokens each request may draft this step: what it may still emit, less the target's own
+        token (0 for all while the batch is at disable_by_batch_size)."""
         spec = self.config.speculative
-        if self.proposer is None or (spec.disable_by_batch_size and n_running >= spec.disable_by_batch_size):
-            return 0
-        left = min(r.max_tokens - r.num_output_tokens - 1, self.max_model_len - len(r.all_token_ids))
-        return max(0, min(k, left))
-
-    def _choose_k(self, r: Request, cap: int, lookup: bool) -> int:
-        """k for r's drafts of one kind (looked up in the context, or from the draft model): the cap, or with
-        adaptive speculation the best k for that kind's own acceptance."""
-        if not (cap and self.config.speculative.adaptive):
-            return cap
-        return next_k(cap, r.lookup_acceptance if lookup else r.acceptance, self.costs, lookup,
-                      len(r.all_token_ids))
-
-    def _propose(self, reqs: list[Request], n_running: int) -> StepDrafts:
-        """This step's drafts, and where each one came from (see StepDrafts)."""
-        spec = self.config.speculative
-        none = [None] * len(reqs)
-        nothing = StepDrafts(Proposal([[] for _ in reqs]), [False] * len(reqs), [[] for _ in reqs], none)
-        if spec is None:
-            return nothing
-        caps = [self._spec_budget(r, n_running, spec.num_speculative_tokens) for r in reqs]
-        lookup_caps = [self._spec_budget(r, n_running, spec.lookup_k) for r in reqs] if spec.ngram_first else caps
-        if not any(caps) and not any(lookup_caps):
-            return nothing
-        if spec.method == "ngram":
-            ks = [self._choose_k(r, cap, lookup=True) for r, cap in zip(reqs, caps)]
-            return StepDrafts(self.proposer.propose(reqs, ks), [True] * len(reqs), [[] for _ in reqs], none)
-        ks = [self._choose_k(r, cap, lookup=False) for r, cap in zip(reqs, caps)]
-        # With a confidence threshold the draft's own probabilities decide how deep it goes: adaptive k only
-        # decides whether the draft model runs at all (and is what a lookup is compared with below).
-        depths = [cap if k else 0 for k, cap in zip(ks, caps)] if spec.draft_confidence else ks
-        if not spec.ngram_first:
-            return StepDrafts(self.proposer.propose(reqs, depths), [False] * len(reqs), [[] for _ in reqs], none)
-        found = [ngram_lookup(r.all_token_ids, cap, spec.prompt_lookup_min, spec.prompt_lookup_max) if cap else []
-                 for r, cap in zip(reqs, lookup_caps)]
-        use = []
-        for r, cap, k, f in zip(reqs, lookup_caps, ks, found):
-            kl = self._choose_k(r, cap, lookup=True) if f else 0
-            if kl and k and spec.adaptive and (
-                    self.costs.expected_rate(r.lookup_acceptance, min(kl, len(f)), True, len(r.all_token_ids))
-                    < self.costs.expected_rate(r.acceptance, k, False, len(r.all_token_ids))):
-                kl = 0  # the draft model is expected to do better here than a copy from the context
-            use.append(f[:kl])
-        copied_from: list[int | None] = list(none)
-        depth: dict[int, int] = {}  # request -> lookup depth, fixed for the step: one estimate per request
-
-        def extend(i: int, drafted: list[int]) -> list[int]:
-            # The draft model's latest token may complete an n-gram seen earlier in the context: the model is
-            # starting to copy, and the rest of the span costs no draft passes (one-hot drafts, like a lookup).
-            r = reqs[i]
-            if lookup_caps[i] <= len(drafted):
-                return []
-            if i not in depth:
-                depth[i] = self._lookup_depth(r, lookup_caps[i])
-            room = min(lookup_caps[i] - len(drafted), depth[i])
-            if room <= 0:
-                return []
-            copied = ngram_lookup(r.all_token_ids + drafted, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
-            if copied:
-                copied_from[i] = len(drafted)
-            return copied
-
-        prop = self.proposer.propose(reqs, [0 if u else d for u, d in zip(use, depths)], lookups=use, extend=extend)
-        return StepDrafts(prop, [bool(u) for u in use], found, copied_from)
-
-    def _lookup_depth(self, r: Request, cap: int) -> int:
-        """How deep a lookup may draft for r without touching its probing state: the cap, or with adaptive
-        speculation the best k for the lookups' own acceptance (0 while they do not pay)."""
-        if not self.config.speculative.adaptive:
-            return cap
-        return choose_k(*r.lookup_acceptance.rates(self.costs.lookup_prior), cap, self.costs, True,
-                        len(r.all_token_ids))
-
-    def _observe(self, r: Request, drafted: list[int], accepted: int, looked_up: bool, found: list[int],
-                 emitted: list[int], copied_from: int | None) -> None:
-        """Teach adaptive k what this step showed about each draft kind of r."""
-        if copied_from is not None:
-            # The draft model's tokens, then a copy they opened: each part counts for its own kind; the copy
-            # was only tried if every draft-model token before it was accepted.
-            self.costs.observe_acceptance(r.acceptance, copied_from, min(accepted, copied_from))
-            if accepted >= copied_from:
-                self.costs.observe_acceptance(r.lookup_acceptance, len(drafted) - copied_from,
-                                              accepted - copied_from, lookup=True)
-            else:
-                r.lookup_acceptance.observe(0, 0)
-            return
-        used, other = (r.lookup_acceptance, r.acceptance) if looked_up else (r.acceptance, r.lookup_acceptance)
-        self.costs.observe_acceptance(used, len(drafted), accepted, lookup=looked_up)
-        if found and not looked_up:
-            # An unused lookup is scored against the tokens the target emitted. For a one-hot draft that is
-            # exactly the acceptance test (greedy: the same argmax; sampled: accepted with probability p(token),
-            # the chance the sample equals it), cut at the emitted length, beyond which nothing is known.
-            n = min(len(found), len(emitted))
-            match = next((j for j in range(n) if found[j] != emitted[j]), n)
-            self.costs.observe_acceptance(other, n, match, lookup=True)
-        else:
-            other.observe(0, 0)  # this kind did not draft: a step without drafts ends its run
+        if spec is not None and spec.disable_by_batch_size and len(reqs) >= spec.disable_by_batch_size:
+            return [0] * len(reqs)
+        return [max(0, min(r.max_tokens - r.num_output_tokens - 1, self.max_model_len - len(r.all_token_ids)))
+                for r in reqs]
 
     def _decode(self, reqs: list[Request]) -> None:
-        step = self._propose(reqs, len(reqs))
+        """One step of the running requests: propose, verify in one target pass, rejection-sample, commit,
+        observe."""
+        proposer = self.proposer
+        budgets = self._budgets(reqs)
+        prop = proposer.propose(reqs, budgets) if proposer else Proposal([[] for _ in reqs])
         if any(matcher_of(r) is not None for r in reqs):  # structured outputs: grammar-checked and forced drafts
-            budgets = [max(0, min(r.max_tokens - r.num_output_tokens - 1, self.max_model_len - len(r.all_token_ids)))
-                       for r in reqs]
-            step.proposal = constrain_proposal(reqs, step.proposal, budgets, self.proposer)
-        drafts, draft_probs = step.proposal.tokens, step.proposal.probs
-        seqs = [(r.slot, r.num_computed, [r.all_token_ids[-1]] + d) for r, d in zip(reqs, drafts)]
-        logits = self.target.forward_rows(seqs, all_logits=True)
+            prop = constrain_proposal(reqs, prop, budgets, proposer)
+        drafts = prop.tokens
+        logits = self.target.forward_rows([(r.slot, r.num_computed, [r.all_token_ids[-1]] + d)
+                                           for r, d in zip(reqs, drafts)], all_logits=True)
+        result = self._rejection_sample(reqs, logits, prop)
+        for i, r in enumerate(reqs):
+            a, emitted = result.num_accepted[i], result.tokens[i]
+            r.num_computed = len(r.all_token_ids) + a  # rejected drafts' KV stays in place, just past the length
+            if drafts[i]:
+                r.metrics.spec_decode.record(len(drafts[i]), a)
+                self.spec_stats.record(len(drafts[i]), a)
+            if proposer is not None:
+                proposer.rollback(r, r.num_computed)
+            self._commit(r, emitted, logits[i])
+            if proposer is not None:
+                proposer.observe(r, drafts[i], a, emitted)
+
+    def _rejection_sample(self, reqs: list[Request], logits: list[torch.Tensor], prop: Proposal):
+        drafts, draft_probs = prop.tokens, prop.probs
         kmax = max(len(d) for d in drafts)
         dt = torch.zeros(len(reqs), kmax, dtype=torch.long)
         for i, d in enumerate(drafts):
@@ -359,18 +294,8 @@ class LLMEngine:
         target_probs = self._target_probs(reqs, logits, drafts)
         if draft_probs is not None and draft_probs.shape[1] > kmax:
             draft_probs = draft_probs[:, :kmax]
-        result = rejection_sample(target_probs, dt.to(target_probs.device), [len(d) for d in drafts], draft_probs,
-                                  [r.params.greedy for r in reqs], [r.generator for r in reqs])
-        for i, r in enumerate(reqs):
-            a = result.num_accepted[i]
-            r.num_computed = len(r.all_token_ids) + a  # rejected drafts' KV stays in place, just past the length
-            if self.proposer is not None:
-                self.proposer.rollback(r, len(r.all_token_ids) + a)
-            self._observe(r, drafts[i], a, step.looked_up[i], step.found[i], result.tokens[i], step.copied_from[i])
-            if drafts[i]:
-                r.metrics.spec_decode.record(len(drafts[i]), a)
-                self.spec_stats.record(len(drafts[i]), a)
-            self._commit(r, result.tokens[i], logits[i])
+        return rejection_sample(target_probs, dt.to(target_probs.device), [len(d) for d in drafts], draft_probs,
+                                [r.params.greedy for r in reqs], [r.generator for r in reqs])
 
     def _target_probs(self, reqs: list[Request], logits: list[torch.Tensor],
                       drafts: list[list[int]]) -> torch.Tensor:
@@ -403,6 +328,8 @@ class LLMEngine:
                 r.finish_reason = r.finish_reason or "stop"
                 r.status = Status.FINISHED
                 r.metrics.finished_time = time.time()
+                if self.proposer is not None:
+                    self.proposer.finish(r)
                 return
 
     def _check_stop(self, r: Request, t: int) -> bool:

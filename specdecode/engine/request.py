@@ -51,6 +51,10 @@ class Request:
         # adaptive k: this request's acceptance of draft-model drafts and of drafts looked up in its context
         self.acceptance = Acceptance()
         self.lookup_acceptance = Acceptance()
+        # The proposer's own per-request state: what this step drafted and from where (HybridProposer), the
+        # request's suffix index (SuffixProposer). Kept here so that it goes when the request goes.
+        self.proposer_step = None
+        self.suffix_index = None
 
     @property
     def output_token_ids(self) -> list[int]:

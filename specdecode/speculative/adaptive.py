@@ -22,8 +22,17 @@ the same text, so each kind has its own counts, its own probing and its own engi
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
+import platform
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+logger = logging.getLogger("specdecode")
 
 _REQUEST_DECAY = 0.8   # per verification: a request's counts follow its text as it changes
 _PRIOR_DECAY = 0.98    # the engine-wide counts new requests start from
@@ -264,3 +273,199 @@ def next_k(k_max: int, acceptance: Acceptance, costs: CostModel, draft_is_free: 
     acceptance.steps_without_spec = 0
     acceptance.probe_every = min(2 * acceptance.probe_every, MAX_PROBE_EVERY)
     return 1
+
+
+_CALIBRATED: dict[str, "CostModel"] = {}  # this process's calibrations by calibration_key
+
+
+class AdaptiveK:
+    """A proposer's adaptive-k policy: each request's k per draft kind (looked up in the context, or from a
+    draft model), and what each verification teaches it. With ``enabled`` off, k is always the cap and the
+    counts are still kept (they cost nothing and say how each kind fares)."""
+
+    def __init__(self, enabled: bool = False, costs: CostModel | None = None):
+        self.enabled = enabled
+        self.costs = costs if costs is not None else CostModel()
+
+    def calibrate(self, target, draft, k_max: int, max_len: int, identity: dict[str, Any],
+                  refresh: bool = False) -> CostModel:
+        """Pass costs for this policy (see ``calibrate``), kept per model files, weight formats, CPU, kernel
+        path and threads (``identity`` plus the files of its "target" and "draft" paths) in the cache folder,
+        so that only the first engine start with a given setup times passes. ``refresh``: time them again."""
+        import copy
+
+        from specdecode.models.default_models import cache_dir
+
+        k_max = max(1, min(k_max, max_len - 2))
+        parts = dict(identity, target=_file_identity(identity.get("target")),
+                     draft=_file_identity(identity.get("draft")) if draft is not None else None,
+                     rows=calibration_rows(k_max), max_len=max_len)
+        key = calibration_key(parts)
+        if refresh or key not in _CALIBRATED:
+            t0 = time.perf_counter()
+            costs, hit = cached_calibration(key, lambda: calibrate(target, draft, k_max, max_len), cache_dir(),
+                                            refresh)
+            if not hit:
+                logger.info("Calibrated adaptive speculation costs in %.1f s (kept for later starts)",
+                            time.perf_counter() - t0)
+            _CALIBRATED[key] = costs
+        self.costs = copy.deepcopy(_CALIBRATED[key])
+        return self.costs
+
+    def choose(self, r, cap: int, lookup: bool) -> int:
+        """k for r's drafts of one kind: the cap, or the best k for that kind's own acceptance."""
+        if not (cap and self.enabled):
+            return cap
+        return next_k(cap, r.lookup_acceptance if lookup else r.acceptance, self.costs, lookup,
+                      len(r.all_token_ids))
+
+    def lookup_depth(self, r, cap: int) -> int:
+        """How deep a lookup may draft for r without touching its probing state: the cap, or the best k for
+        the lookups' own acceptance (0 while they do not pay)."""
+        if not self.enabled:
+            return cap
+        return choose_k(*r.lookup_acceptance.rates(self.costs.lookup_prior), cap, self.costs, True,
+                        len(r.all_token_ids))
+
+    def draft_model_wins(self, r, lookup_k: int, draft_k: int) -> bool:
+        """Whether the draft model drafting draft_k tokens is expected to give more tokens/s for r than a
+        lookup of lookup_k tokens (only ever with adaptive k: without it a lookup found is a lookup used)."""
+        if not (self.enabled and lookup_k and draft_k):
+            return False
+        ctx = len(r.all_token_ids)
+        return (self.costs.expected_rate(r.lookup_acceptance, lookup_k, True, ctx)
+                < self.costs.expected_rate(r.acceptance, draft_k, False, ctx))
+
+    def learn(self, r, drafted: list[int], accepted: int, looked_up: bool, found: list[int],
+              emitted: list[int], copied_from: int | None) -> None:
+        """Teach the counts what this step showed about each draft kind of r. ``found``: a lookup that was
+        available but not used; ``copied_from``: where a copy opened by draft-model tokens begins."""
+        costs = self.costs
+        if copied_from is not None:
+            # The draft model's tokens, then a copy they opened: each part counts for its own kind; the copy
+            # was only tried if every draft-model token before it was accepted.
+            costs.observe_acceptance(r.acceptance, copied_from, min(accepted, copied_from))
+            if accepted >= copied_from:
+                costs.observe_acceptance(r.lookup_acceptance, len(drafted) - copied_from,
+                                         accepted - copied_from, lookup=True)
+            else:
+                r.lookup_acceptance.observe(0, 0)
+            return
+        used, other = (r.lookup_acceptance, r.acceptance) if looked_up else (r.acceptance, r.lookup_acceptance)
+        costs.observe_acceptance(used, len(drafted), accepted, lookup=looked_up)
+        if found and not looked_up:
+            # An unused lookup is scored against the tokens the target emitted. For a one-hot draft that is
+            # exactly the acceptance test (greedy: the same argmax; sampled: accepted with probability p(token),
+            # the chance the sample equals it), cut at the emitted length, beyond which nothing is known.
+            n = min(len(found), len(emitted))
+            match = next((j for j in range(n) if found[j] != emitted[j]), n)
+            costs.observe_acceptance(other, n, match, lookup=True)
+        else:
+            other.observe(0, 0)  # this kind did not draft: a step without drafts ends its run
+
+
+# ---- calibrated costs, cached on disk ----
+# A calibration times passes for a few seconds; its result only depends on the models' files, the weight
+# formats, the CPU and kernel path and the thread count, so it is kept per such key and reused by every later
+# engine start. Bump the version when what calibrate() measures changes.
+_COSTS_VERSION = 1
+_COSTS_FILE = "adaptive_costs.json"
+_MAX_CACHED_COSTS = 64
+
+
+def _file_identity(path: str | os.PathLike | None) -> list:
+    """Name, size and modification time of a model's files (a directory: its weight and config files)."""
+    if path is None:
+        return []
+    p = Path(path)
+    files = [p] if p.is_file() else sorted(f for f in p.glob("*") if f.suffix in
+                                           (".gguf", ".safetensors", ".bin", ".json", ".pt"))
+    out = []
+    for f in files:
+        try:
+            st = f.stat()
+        except OSError:
+            continue
+        out.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
+    return out
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def calibration_key(parts: dict[str, Any]) -> str:
+    """A stable digest of what a calibration depends on (``parts``), plus the CPU and the cache version."""
+    full = dict(parts, cpu=_cpu_name(), machine=platform.machine(), version=_COSTS_VERSION)
+    return hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def model_identity(path) -> list:
+    """What identifies a model for the cost cache: its files' names, sizes and modification times."""
+    return _file_identity(path)
+
+
+def _costs_to_json(c: CostModel) -> dict:
+    return {"verify": {str(ctx): {str(r): s for r, s in t.items()} for ctx, t in c.verify.items()},
+            "draft": {str(ctx): s for ctx, s in c.draft.items()}}
+
+
+def _costs_from_json(d: dict) -> CostModel:
+    c = CostModel()
+    for ctx, table in d["verify"].items():
+        for rows, s in table.items():
+            if not (isinstance(s, (int, float)) and s > 0):
+                raise ValueError("bad cost entry")
+            c.add(int(ctx), int(rows), float(s))
+    for ctx, s in d["draft"].items():
+        if not (isinstance(s, (int, float)) and s > 0):
+            raise ValueError("bad cost entry")
+        c.add_draft(int(ctx), float(s))
+    if not c.verify:
+        raise ValueError("empty cost entry")
+    return c
+
+
+def cached_calibration(key: str, run: Callable[[], CostModel], directory: Path | None,
+                       refresh: bool = False) -> tuple[CostModel, bool]:
+    """The calibration stored under ``key`` in ``directory`` (see calibration_key), else ``run()``'s result,
+    stored for the next engine start (``refresh``: always run, and replace what is stored). Returns (costs,
+    whether they came from the cache). A missing, corrupt or unwritable cache only costs the calibration:
+    it is never an error."""
+    path = directory / _COSTS_FILE if directory is not None else None
+    entries: dict = {}
+    if path is not None and path.is_file():
+        try:
+            entries = json.loads(path.read_text())
+            if not isinstance(entries, dict):
+                entries = {}
+            if key in entries and not refresh:
+                return _costs_from_json(entries[key]), True
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            logger.warning("Ignoring the unreadable speculation cost cache %s (%s); recalibrating.", path, e)
+            entries = entries if isinstance(entries, dict) else {}
+            entries.pop(key, None)
+    costs = run()
+    if path is None:
+        return costs, False
+    entries[key] = dict(_costs_to_json(costs), saved=time.time())
+    if len(entries) > _MAX_CACHED_COSTS:  # keep the newest entries
+        keep = sorted(entries, key=lambda k: entries[k].get("saved", 0) if isinstance(entries[k], dict) else 0)
+        for k in keep[:len(entries) - _MAX_CACHED_COSTS]:
+            entries.pop(k)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entries))
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.warning("Could not store the speculation costs in %s (%s); the next start calibrates again.",
+                       path, e)
+    return costs, False

@@ -1,58 +1,88 @@
 """A small draft model proposes k tokens autoregressively on its own KV cache, batched over requests."""
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
 
 from specdecode.engine.model_runner import ModelRunner
 from specdecode.layers.sampler import argmax, logits_to_probs, sample
+from specdecode.speculative.adaptive import AdaptiveK
 from specdecode.speculative.draft_vocab import TruncatedHead
-from specdecode.speculative.proposer import Proposal
+from specdecode.speculative.proposer import Proposal, Proposer
 
 
-class DraftModelProposer:
-    """k autoregressive draft steps, batched over requests.
+class DraftModelProposer(Proposer):
+    """k autoregressive draft steps, batched over requests (vLLM's ``draft_model`` method).
 
-    With ngram_first the engine may hand over drafts it looked up in a request's context (prompt lookup):
-    in text that copies from its context they are as good as the draft model's and cost nothing. Those
-    drafts are one-hot, as the n-gram proposer's are, and the draft model catches up on them at its next
-    step."""
+    HybridProposer calls ``draft`` directly with drafts it looked up in a request's context: in text that
+    copies from its context they are as good as the draft model's and cost nothing. Those drafts are
+    one-hot, as the n-gram proposer's are, and the draft model catches up on them at its next step.
+
+    The draft runs over a request's prompt lazily, at the first step that needs it (a request the draft
+    model never drafts for never pays for it); that time is counted in ``prefill_seconds``."""
 
     def __init__(self, runner: ModelRunner, target_vocab: int, p_min: float = 0.0,
-                 vocab_ids: torch.Tensor | None = None, confidence: float = 0.0):
+                 vocab_ids: torch.Tensor | None = None, confidence: float = 0.0, k: int | None = None,
+                 policy: AdaptiveK | None = None, heads: dict[bytes, TruncatedHead] | None = None):
+        super().__init__(k, policy)
         self.runner = runner
         self.vocab = target_vocab
         self.p_min = p_min
         self.confidence = confidence
-        self.full_head = runner.model.lm_head
-        self._heads: dict[bytes, TruncatedHead] = {}
+        self.full_head = runner.model.lm_head if not isinstance(runner.model.lm_head, TruncatedHead) \
+            else runner.model.lm_head.source
+        # Truncated heads by vocabulary; proposers over one draft model share them (and their context tokens).
+        self._heads = heads if heads is not None else {}
+        self._prefill_seconds = 0.0
+        self.head = self.full_head
         self.set_vocab(vocab_ids)
+
+    @property
+    def draft_runner(self) -> ModelRunner:
+        return self.runner
+
+    @property
+    def prefill_seconds(self) -> float:
+        return self._prefill_seconds
+
+    def calibrate(self, target, max_len: int, identity: dict, refresh: bool = False):
+        self.runner.model.lm_head = self.head  # a draft step is timed with this proposer's own head
+        return super().calibrate(target, max_len, identity, refresh)
+
+    def head_identity(self) -> str | None:
+        if not isinstance(self.head, TruncatedHead):
+            return None
+        import hashlib
+        return f"{len(self.head.keep)}:" + hashlib.sha256(self.head.keep.cpu().numpy().tobytes()).hexdigest()[:16]
 
     def set_vocab(self, vocab_ids: torch.Tensor | None) -> None:
         """Score only ``vocab_ids`` (plus each request's context tokens) in the draft's LM head; None: all.
         Heads are kept per vocabulary, so switching back and forth (the bench does) costs nothing."""
-        model = self.runner.model
-        vocab = model.args.vocab_size
+        vocab = self.runner.model.args.vocab_size
         if vocab_ids is None or len(vocab_ids) >= vocab:
-            model.lm_head = self.full_head
-            return
-        key = vocab_ids.cpu().numpy().tobytes()
-        if key not in self._heads:
-            self._heads[key] = TruncatedHead(self.full_head, vocab_ids, vocab)
-        model.lm_head = self._heads[key]
+            self.head = self.full_head
+        else:
+            key = vocab_ids.cpu().numpy().tobytes()
+            if key not in self._heads:
+                self._heads[key] = TruncatedHead(self.full_head, vocab_ids, vocab)
+            self.head = self._heads[key]
+        self.runner.model.lm_head = self.head
 
     def _note_context(self, token_ids: list[int]) -> None:
-        head = self.runner.model.lm_head
-        if isinstance(head, TruncatedHead):
-            head.add_context(token_ids)
+        if isinstance(self.head, TruncatedHead):
+            self.head.add_context(token_ids)
 
-    def prefill(self, request, upto: int) -> torch.Tensor:
-        """Run the draft over a new request's first ``upto`` tokens; the logits after them."""
-        tokens = request.all_token_ids[:upto]
+    def _prefill_draft(self, request) -> torch.Tensor:
+        """Run the draft over all of a request's tokens so far; the logits after them."""
+        t0 = time.perf_counter()
+        tokens = list(request.all_token_ids)
         self._note_context(tokens)
-        request.draft_computed = upto
-        return self.runner.prefill(request.slot, tokens)
+        request.draft_computed = len(tokens)
+        logits = self.runner.prefill(request.slot, tokens)
+        self._prefill_seconds += time.perf_counter() - t0
+        return logits
 
     def _catch_up(self, requests: list) -> list[torch.Tensor]:
         """Feed each request's tokens the draft has not seen; return each one's next-token logits [V]."""
@@ -60,7 +90,7 @@ class DraftModelProposer:
         rows, idx = [], []
         for i, r in enumerate(requests):
             if r.draft_computed == 0:
-                out[i] = self.prefill(r, len(r.all_token_ids))
+                out[i] = self._prefill_draft(r)
                 continue
             pending = r.all_token_ids[r.draft_computed:]
             self._note_context(pending)
@@ -82,12 +112,22 @@ class DraftModelProposer:
         pad = logits.new_full((*logits.shape[:-1], self.vocab - v), float("-inf"))
         return torch.cat([logits, pad], dim=-1)
 
-    def propose(self, requests: list, ks: list[int], lookups: list[list[int]] | None = None,
-                extend: Callable[[int, list[int]], list[int]] | None = None) -> Proposal:
-        """Up to ks[i] draft-model tokens per request; ``lookups[i]``, where not empty, are drafts the engine
-        already copied from request i's context (ngram_first), passed through with one-hot probabilities.
-        ``extend(i, drafted)``, called after each draft-model token, may return tokens copied from the context
-        after ``drafted`` (the draft has just opened a span seen before); they end request i's draft."""
+    def propose(self, requests: list, budgets: list[int]) -> Proposal:
+        caps = self.caps(budgets)
+        ks = [self.policy.choose(r, cap, lookup=False) for r, cap in zip(requests, caps)]
+        # With a confidence threshold the draft's own probabilities decide how deep it goes: adaptive k only
+        # decides whether the draft model runs at all.
+        return self.draft(requests, [cap if k else 0 for k, cap in zip(ks, caps)] if self.confidence else ks)
+
+    def observe(self, request, drafted: list[int], accepted: int, emitted: list[int]) -> None:
+        self.policy.learn(request, drafted, accepted, False, [], emitted, None)
+
+    def draft(self, requests: list, ks: list[int], lookups: list[list[int]] | None = None,
+              extend: Callable[[int, list[int]], list[int]] | None = None) -> Proposal:
+        """Up to ks[i] draft-model tokens per request; ``lookups[i]``, where not empty, are drafts already
+        copied from request i's context, passed through with one-hot probabilities. ``extend(i, drafted)``,
+        called after each draft-model token, may return tokens copied from the context after ``drafted``
+        (the draft has just opened a span seen before); they end request i's draft."""
         lookups = lookups or [[] for _ in requests]
         prop = self._draft(requests, [0 if found else k for found, k in zip(lookups, ks)], extend)
         if not any(lookups):
@@ -116,6 +156,7 @@ class DraftModelProposer:
                extend: Callable[[int, list[int]], list[int]] | None = None) -> Proposal:
         active = [i for i, k in enumerate(ks) if k > 0]
         tokens: list[list[int]] = [[] for _ in requests]
+        self.runner.model.lm_head = self.head  # proposers that share this draft model may use other heads
         need_probs = any(not requests[i].params.greedy for i in active)
         if not active:
             return Proposal(tokens, None)

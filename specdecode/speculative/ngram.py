@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from specdecode.speculative.proposer import Proposal
+from specdecode.speculative.adaptive import AdaptiveK
+from specdecode.speculative.proposer import Proposal, Proposer
 
 
 def ngram_lookup(tokens: list[int] | np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
@@ -25,13 +26,21 @@ def ngram_lookup(tokens: list[int] | np.ndarray, k: int, n_min: int, n_max: int)
     return []
 
 
-class NgramProposer:
-    def __init__(self, n_min: int, n_max: int):
+class NgramProposer(Proposer):
+    """Prompt lookup (vLLM's ``ngram`` method). Also the lookup source of HybridProposer (``find``)."""
+
+    def __init__(self, n_min: int, n_max: int, k: int | None = None, policy: AdaptiveK | None = None):
+        super().__init__(k, policy)
         self.n_min, self.n_max = n_min, n_max
 
-    def propose(self, requests: list, ks: list[int]) -> Proposal:
-        return Proposal([ngram_lookup(r.all_token_ids, k, self.n_min, self.n_max) if k > 0 else []
-                         for r, k in zip(requests, ks)])
+    def find(self, request, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the suffix of ``tokens`` (the
+        request's context, possibly extended by drafts)."""
+        return ngram_lookup(tokens, k, self.n_min, self.n_max)
 
-    def rollback(self, request, valid_len: int) -> None:
-        pass  # stateless
+    def propose(self, requests: list, budgets: list[int]) -> Proposal:
+        ks = [self.policy.choose(r, cap, lookup=True) for r, cap in zip(requests, self.caps(budgets))]
+        return Proposal([self.find(r, r.all_token_ids, k) if k > 0 else [] for r, k in zip(requests, ks)])
+
+    def observe(self, request, drafted: list[int], accepted: int, emitted: list[int]) -> None:
+        self.policy.learn(request, drafted, accepted, True, [], emitted, None)

@@ -1,20 +1,87 @@
-"""The proposer interface: given running requests and a budget k per request, propose draft tokens."""
+"""The proposer interface: the calls the engine makes, and nothing else.
+
+Each step the engine asks ``propose(requests, budgets)`` for drafts, verifies them in one target pass,
+rejection-samples, commits, and then reports back per request: ``rollback`` (which tokens are final) and
+``observe`` (what was drafted, accepted and emitted). A proposer owns its whole policy behind these calls:
+how deep to draft (adaptive k), which of its sources to use (lookup or draft model) and what it learns.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
+
+from specdecode.speculative.adaptive import AdaptiveK, CostModel
 
 
 @dataclass
 class Proposal:
-    tokens: list[list[int]]              # per request, 0..k_r draft tokens
+    tokens: list[list[int]]              # per request, 0..budget draft tokens
     probs: torch.Tensor | None = None    # [R, max_k, V] draft distributions; None means one-hot drafts
 
 
-class Proposer(Protocol):
-    def propose(self, requests: list, ks: list[int]) -> Proposal: ...
+class Proposer:
+    """Base class: no-op hooks, so a proposer implements only the calls it needs.
 
-    def rollback(self, request, valid_len: int) -> None:
-        """The first valid_len tokens of request.all_token_ids are final; forget anything cached past them."""
+    ``k`` caps the tokens one step drafts (None: only the engine's budget); ``policy`` decides k per request
+    and learns from each verification (adaptive k)."""
+
+    def __init__(self, k: int | None = None, policy: AdaptiveK | None = None):
+        self.k = k
+        self.policy = policy if policy is not None else AdaptiveK()
+
+    @property
+    def costs(self) -> CostModel:
+        """The pass costs and acceptance counts adaptive k decides with."""
+        return self.policy.costs
+
+    @costs.setter
+    def costs(self, value: CostModel) -> None:
+        self.policy.costs = value
+
+    @property
+    def max_k(self) -> int:
+        """The most tokens one step drafts (what calibration must time verification passes for)."""
+        return self.k or 1
+
+    def calibrate(self, target, max_len: int, identity: dict, refresh: bool = False) -> CostModel:
+        """Time (or take from the cost cache) the passes adaptive k weighs: target passes over up to
+        max_k + 1 rows, and this proposer's draft step. ``identity``: the engine's models and settings."""
+        return self.policy.calibrate(target, self.draft_runner, self.max_k, max_len,
+                                     dict(identity, head=self.head_identity()), refresh)
+
+    def head_identity(self) -> str | None:
+        """What, besides the draft model's files, sets the cost of a draft step (a truncated head)."""
+        return None
+
+    def caps(self, budgets: list[int], k: int | None = None) -> list[int]:
+        """Per request: the most tokens to draft, the budget clamped to k (default: this proposer's k)."""
+        k = self.k if k is None else k
+        return [max(0, b if k is None else min(k, b)) for b in budgets]
+
+    def prefill(self, request) -> None:
+        """A new request's prompt is in the target's cache."""
+
+    def propose(self, requests: list, budgets: list[int]) -> Proposal:
+        """Draft tokens for each request, at most budgets[i] for request i (0: none)."""
+        raise NotImplementedError
+
+    def observe(self, request, drafted: list[int], accepted: int, emitted: list[int]) -> None:
+        """The verification of request's drafts: the first ``accepted`` were kept, ``emitted`` were committed
+        (accepted drafts plus the target's own token, cut where the request stops)."""
+
+    def rollback(self, request, length: int) -> None:
+        """The first ``length`` tokens of request.all_token_ids are final; forget anything cached past them."""
+
+    def finish(self, request) -> None:
+        """The request is done (its output is complete)."""
+
+    @property
+    def draft_runner(self):
+        """The draft model's ModelRunner this proposer runs, or None (model-free drafting)."""
+        return None
+
+    @property
+    def prefill_seconds(self) -> float:
+        """Seconds spent so far running the draft model over prompts (0 for model-free proposers)."""
+        return 0.0

@@ -1,5 +1,8 @@
 """Prometheus metrics of the server, in vLLM's names with a ``specdecode:`` prefix.
 
+The speculative-decoding counters are also exposed under vLLM's own names (``vllm:spec_decode_*``), so
+dashboards built for vLLM work unchanged; the ``specdecode:`` ones carry the same values.
+
 Recorded on the engine thread after every step (prometheus-client is thread-safe), from the step's
 outputs and the engine's cumulative spec-decode counters; the HTTP layer adds rejected requests.
 """
@@ -15,6 +18,26 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.1
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                 480.0, 960.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class _Counters:
+    """One counter under several names (vLLM's and ours), incremented together."""
+
+    def __init__(self, names: tuple[str, ...], doc: str, labels: list[str], registry: CollectorRegistry):
+        self.counters = [Counter(n, doc, labels, registry=registry) for n in names]
+
+    def inc(self, amount: float, *labels: str) -> None:
+        for c in self.counters:
+            c.labels(*labels).inc(amount)
+
+    def touch(self, *labels: str) -> None:
+        """Expose the series at 0 before anything happened."""
+        for c in self.counters:
+            c.labels(*labels)
+
+
+def _spec_names(name: str) -> tuple[str, ...]:
+    return (f"vllm:{name}", f"specdecode:{name}")
 
 
 class ServerMetrics:
@@ -42,20 +65,20 @@ class ServerMetrics:
                              "a step may emit several tokens).", m, buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("specdecode:e2e_request_latency_seconds", "Arrival to finish.", m,
                              buckets=_E2E_BUCKETS, registry=r)
-        self.spec_drafts = Counter("specdecode:spec_decode_num_drafts",
-                                   "Verification passes that carried at least one drafted token.", m, registry=r)
-        self.spec_draft_tokens = Counter("specdecode:spec_decode_num_draft_tokens", "Drafted tokens.", m,
-                                         registry=r)
-        self.spec_accepted = Counter("specdecode:spec_decode_num_accepted_tokens", "Accepted drafted tokens.", m,
-                                     registry=r)
-        self.spec_accepted_pos = Counter("specdecode:spec_decode_num_accepted_tokens_per_pos",
-                                         "Accepted drafted tokens by draft position (0 = first).",
-                                         m + ["position"], registry=r)
+        self.spec_drafts = _Counters(_spec_names("spec_decode_num_drafts"),
+                                     "Verification passes that carried at least one drafted token.", m, r)
+        self.spec_draft_tokens = _Counters(_spec_names("spec_decode_num_draft_tokens"), "Drafted tokens.", m, r)
+        self.spec_accepted = _Counters(_spec_names("spec_decode_num_accepted_tokens"), "Accepted drafted tokens.",
+                                       m, r)
+        self.spec_accepted_pos = _Counters(_spec_names("spec_decode_num_accepted_tokens_per_pos"),
+                                           "Accepted drafted tokens by draft position (0 = first).",
+                                           m + ["position"], r)
         for reason in FINISH_REASONS:
             self.success.labels(model_name, reason)
-        for c in (self.prompt_tokens, self.generation_tokens, self.spec_drafts, self.spec_draft_tokens,
-                  self.spec_accepted):
+        for c in (self.prompt_tokens, self.generation_tokens):
             c.labels(model_name)
+        for c in (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
+            c.touch(model_name)
         # request id -> (tokens seen so far, time of the last output); engine-thread only
         self._seen: dict[str, tuple[int, float]] = {}
         self._spec = (0, 0, 0, [])
@@ -97,15 +120,15 @@ class ServerMetrics:
         name = self.model_name
         d0, t0, a0, p0 = self._spec
         if s.num_drafts > d0:
-            self.spec_drafts.labels(name).inc(s.num_drafts - d0)
+            self.spec_drafts.inc(s.num_drafts - d0, name)
         if s.num_draft_tokens > t0:
-            self.spec_draft_tokens.labels(name).inc(s.num_draft_tokens - t0)
+            self.spec_draft_tokens.inc(s.num_draft_tokens - t0, name)
         if s.num_accepted_tokens > a0:
-            self.spec_accepted.labels(name).inc(s.num_accepted_tokens - a0)
+            self.spec_accepted.inc(s.num_accepted_tokens - a0, name)
         for i, n in enumerate(s.accepted_per_pos):
             before = p0[i] if i < len(p0) else 0
             if n > before or i >= len(p0):
-                self.spec_accepted_pos.labels(name, str(i)).inc(n - before)
+                self.spec_accepted_pos.inc(n - before, name, str(i))
         self._spec = (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, list(s.accepted_per_pos))
 
     def on_engine_error(self, request_ids: list[str]) -> None:

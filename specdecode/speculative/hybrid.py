@@ -1,0 +1,118 @@
+"""Lookup first, the draft model elsewhere (``ngram_first``; also suffix decoding with a draft model).
+
+A lookup (prompt lookup or the suffix index) costs no model pass, and in text that copies from its context
+or from earlier requests it is as good as the draft model or better; the draft model runs only for the
+requests whose lookup finds nothing, or (adaptive k) whose lookups are expected to pay less than it does.
+When the draft model's latest token completes a span the lookup knows, the rest of that span is appended
+as a one-hot copy and ends the request's draft for the step.
+
+With adaptive k each request keeps the two kinds' acceptance apart, and an unused lookup is still scored
+against what the target emitted, so lookups that would have been right win their turn back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdecode.speculative.adaptive import AdaptiveK
+from specdecode.speculative.draft_model import DraftModelProposer
+from specdecode.speculative.proposer import Proposal, Proposer
+
+
+@dataclass
+class _Step:
+    """What one step drafted for a request, so that observe() credits each kind of draft."""
+    looked_up: bool = False         # the drafts were looked up in the context
+    found: list[int] | None = None  # the lookup that matched at the step's start, used or not
+    copied_from: int | None = None  # where a copy opened by the draft model's tokens begins
+
+
+class HybridProposer(Proposer):
+    """``lookup`` (a proposer with ``find(request, tokens, k)``) first, ``draft`` where it finds nothing.
+    ``k`` caps the draft model's tokens, ``lookup_k`` a lookup's; both share ``policy``."""
+
+    def __init__(self, lookup, draft: DraftModelProposer, k: int, lookup_k: int, policy: AdaptiveK):
+        super().__init__(k, policy)
+        self.lookup, self.draft, self.lookup_k = lookup, draft, lookup_k
+        lookup.policy = draft.policy = policy
+
+    @property
+    def max_k(self) -> int:
+        return max(self.k, self.lookup_k)
+
+    def head_identity(self) -> str | None:
+        return self.draft.head_identity()
+
+    def calibrate(self, target, max_len: int, identity: dict, refresh: bool = False):
+        self.draft.runner.model.lm_head = self.draft.head  # a draft step is timed with the draft's own head
+        return super().calibrate(target, max_len, identity, refresh)
+
+    @property
+    def draft_runner(self):
+        return self.draft.runner
+
+    @property
+    def prefill_seconds(self) -> float:
+        return self.draft.prefill_seconds
+
+    def prefill(self, request) -> None:
+        self.lookup.prefill(request)
+        self.draft.prefill(request)
+
+    def propose(self, requests: list, budgets: list[int]) -> Proposal:
+        for r in requests:
+            r.proposer_step = _Step()
+        caps, lookup_caps = self.caps(budgets), self.caps(budgets, self.lookup_k)
+        if not any(caps) and not any(lookup_caps):
+            return Proposal([[] for _ in requests])
+        policy = self.policy
+        ks = [policy.choose(r, cap, lookup=False) for r, cap in zip(requests, caps)]
+        # With a confidence threshold the draft's own probabilities decide how deep it goes: adaptive k only
+        # decides whether the draft model runs at all (and is what a lookup is compared with below).
+        depths = [cap if k else 0 for k, cap in zip(ks, caps)] if self.draft.confidence else ks
+        use = []
+        for r, cap, k in zip(requests, lookup_caps, ks):
+            found = self.lookup.find(r, r.all_token_ids, cap) if cap else []
+            kl = policy.choose(r, cap, lookup=True) if found else 0
+            if policy.draft_model_wins(r, min(kl, len(found)), k):
+                kl = 0  # the draft model is expected to do better here than a copy from the context
+            use.append(found[:kl])
+            r.proposer_step.found, r.proposer_step.looked_up = found, bool(kl and found)
+        depth: dict[int, int] = {}  # request -> lookup depth, fixed for the step: one estimate per request
+
+        def extend(i: int, drafted: list[int]) -> list[int]:
+            # The draft model's latest token may complete a span seen earlier: the model is starting to copy,
+            # and the rest of the span costs no draft passes (one-hot drafts, like a lookup).
+            r = requests[i]
+            if lookup_caps[i] <= len(drafted):
+                return []
+            if i not in depth:
+                depth[i] = policy.lookup_depth(r, lookup_caps[i])
+            room = min(lookup_caps[i] - len(drafted), depth[i])
+            if room <= 0:
+                return []
+            copied = self.lookup.find(r, r.all_token_ids + drafted, room)
+            if copied:
+                r.proposer_step.copied_from = len(drafted)
+            return copied
+
+        return self.draft.draft(requests, [0 if u else d for u, d in zip(use, depths)], lookups=use,
+                                extend=extend)
+
+    def observe(self, request, drafted: list[int], accepted: int, emitted: list[int]) -> None:
+        step = getattr(request, "proposer_step", None) or _Step()
+        request.proposer_step = None
+        self._observe_step(request, drafted, accepted, step.looked_up, step.found or [], emitted,
+                           step.copied_from)
+
+    def _observe_step(self, r, drafted: list[int], accepted: int, looked_up: bool, found: list[int],
+                      emitted: list[int], copied_from: int | None) -> None:
+        """One verification, with where its drafts came from (tests hook in here to see the kinds)."""
+        self.policy.learn(r, drafted, accepted, looked_up, found, emitted, copied_from)
+
+    def rollback(self, request, length: int) -> None:
+        self.lookup.rollback(request, length)
+        self.draft.rollback(request, length)
+
+    def finish(self, request) -> None:
+        self.lookup.finish(request)
+        self.draft.finish(request)

@@ -1,0 +1,200 @@
+"""Suffix decoding: model-free drafts from the request's own context and from earlier requests' outputs.
+
+After SuffixDecoding (Oliaro et al., arXiv 2411.04975) and vLLM's ``method: "suffix"``. Where the context's
+suffix occurred before (in the request's prompt and output so far, or in the outputs of earlier requests,
+kept in a global cache of ``max_cached_requests`` requests, oldest dropped first), the continuations of those
+occurrences are counted token by token, as a suffix tree's node counts would be: the draft follows the most
+frequent continuation for as long as the share of occurrences that agree with it (its estimated
+probability) stays at or above ``min_token_prob``. A draft is at most ``max_spec_factor`` times the match
+length long, and match plus draft at most ``max_tree_depth`` tokens (vLLM's meaning of the four options).
+
+Occurrences are found through an index of every position by the two tokens before it (a suffix tree cut at
+depth two, the rest compared in place), which keeps memory at a few words per cached token. Among the
+match lengths found, the one whose draft has the highest expected number of accepted tokens (the sum of the
+token probabilities) is used: a long match is more reliable, a shorter one may have more occurrences.
+"""
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+
+from specdecode.speculative.adaptive import AdaptiveK
+from specdecode.speculative.proposer import Proposal, Proposer
+
+# Occurrences looked at per source and step, latest first: a bound on the work of one lookup.
+MAX_OCCURRENCES = 64
+# Match lengths tried per lookup (the longest ones, plus the one that leaves room for a full draft).
+MAX_MATCH_LENGTHS = 4
+
+
+def _key(a: int, b: int) -> int:
+    return (a << 32) | b
+
+
+class _Index:
+    """Positions in token sequences by the two tokens before them. A position p is indexed once the token
+    at p exists: it is where a match ending at p - 1 continues."""
+
+    def __init__(self):
+        self.where: dict[int, array] = {}
+
+    def add(self, tokens, lo: int, hi: int, tag: int = 0) -> None:
+        """Index positions lo..hi-1 of ``tokens`` (positions below 2 have no two tokens before them)."""
+        for p in range(max(2, lo), hi):
+            k = _key(tokens[p - 2], tokens[p - 1])
+            arr = self.where.get(k)
+            if arr is None:
+                arr = self.where[k] = array("q")
+            arr.append((tag << 32) | p)
+
+    def remove(self, tokens, lo: int, hi: int, tag: int) -> None:
+        for p in range(max(2, lo), hi):
+            k = _key(tokens[p - 2], tokens[p - 1])
+            arr = self.where.get(k)
+            if arr is None:
+                continue
+            kept = array("q", (e for e in arr if e >> 32 != tag))
+            if kept:
+                self.where[k] = kept
+            else:
+                del self.where[k]
+
+
+class SuffixCache:
+    """The global part: the outputs of the last ``max_requests`` finished requests, each after the end of
+    its prompt (so that an output's first tokens are found by how prompts end)."""
+
+    def __init__(self, max_requests: int, depth: int):
+        self.max_requests, self.depth = max_requests, depth
+        self.index = _Index()
+        self.seqs: OrderedDict[int, tuple[array, int]] = OrderedDict()  # tag -> (tokens, first output position)
+        self._next = 1
+
+    def add(self, prompt: list[int], output: list[int]) -> None:
+        if self.max_requests <= 0 or not output:
+            return
+        head = prompt[-self.depth:]
+        tokens = array("q", head + output)
+        tag, self._next = self._next, self._next + 1
+        self.seqs[tag] = (tokens, len(head))
+        self.index.add(tokens, len(head), len(tokens), tag)
+        while len(self.seqs) > self.max_requests:
+            old, (toks, start) = self.seqs.popitem(last=False)
+            self.index.remove(toks, start, len(toks), old)
+
+    def occurrences(self, key: int):
+        arr = self.index.where.get(key)
+        if arr is None:
+            return
+        for e in reversed(arr[-MAX_OCCURRENCES:]):
+            yield self.seqs[e >> 32][0], e & 0xFFFFFFFF
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t, _ in self.seqs.values())
+
+
+class _LocalIndex:
+    """The request's own prompt and output, indexed as they grow."""
+
+    def __init__(self):
+        self.index = _Index()
+        self.done = 0
+
+    def update(self, tokens: list[int]) -> None:
+        if len(tokens) > self.done:
+            self.index.add(tokens, self.done, len(tokens))
+            self.done = len(tokens)
+
+    def occurrences(self, key: int, tokens: list[int]):
+        arr = self.index.where.get(key)
+        if arr is None:
+            return
+        for e in reversed(arr[-MAX_OCCURRENCES:]):
+            yield tokens, e & 0xFFFFFFFF
+
+
+class SuffixProposer(Proposer):
+    """vLLM's ``suffix`` method. Also a lookup source of HybridProposer (``find``)."""
+
+    def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000, max_spec_factor: float = 1.0,
+                 min_token_prob: float = 0.1, min_match: int = 2, k: int | None = None,
+                 policy: AdaptiveK | None = None, cache: SuffixCache | None = None):
+        super().__init__(k, policy)
+        self.depth = max_tree_depth
+        self.spec_factor = max_spec_factor
+        self.min_prob = min_token_prob
+        self.min_match = max(2, min_match)
+        self.cache = cache if cache is not None else SuffixCache(max_cached_requests, max_tree_depth)
+
+    # ---- the proposer calls ----
+    def propose(self, requests: list, budgets: list[int]) -> Proposal:
+        ks = [self.policy.choose(r, cap, lookup=True) for r, cap in zip(requests, self.caps(budgets))]
+        return Proposal([self.find(r, r.all_token_ids, k) if k > 0 else [] for r, k in zip(requests, ks)])
+
+    def observe(self, request, drafted: list[int], accepted: int, emitted: list[int]) -> None:
+        self.policy.learn(request, drafted, accepted, True, [], emitted, None)
+
+    def finish(self, request) -> None:
+        self.cache.add(request.prompt_token_ids, request.output_token_ids)
+        request.suffix_index = None
+
+    # ---- lookup ----
+    def find(self, request, tokens: list[int], k: int) -> list[int]:
+        """Up to k draft tokens after ``tokens`` (the request's context, possibly extended by drafts)."""
+        n = len(tokens)
+        if k <= 0 or n < 2:
+            return []
+        local = request.suffix_index
+        if local is None:
+            local = request.suffix_index = _LocalIndex()
+        local.update(request.all_token_ids)
+        key = _key(tokens[-2], tokens[-1])
+        depth = self.depth
+        found = []  # (match length, sequence, position of the continuation), the request's own first
+        for seq, p in list(local.occurrences(key, tokens)) + list(self.cache.occurrences(key)):
+            m = 2
+            while m < depth and p - 1 - m >= 0 and m < n and seq[p - 1 - m] == tokens[n - 1 - m]:
+                m += 1
+            if m >= self.min_match and p < len(seq):
+                found.append((m, seq, p))
+        if not found:
+            return []
+        lengths = sorted({m for m, _, _ in found}, reverse=True)[:MAX_MATCH_LENGTHS]
+        roomy = min(lengths[0], depth - k)  # the longest match that leaves room for k draft tokens
+        if roomy >= self.min_match and roomy not in lengths:
+            lengths.append(roomy)
+        best, best_score = [], 0.0
+        for m in sorted(lengths, reverse=True):
+            room = min(k, int(self.spec_factor * m), depth - m)
+            if room <= len(best):
+                continue
+            draft, score = self._follow([(s, p) for mm, s, p in found if mm >= m], room)
+            if score > best_score:
+                best, best_score = draft, score
+        return best
+
+    def _follow(self, occ: list, room: int) -> tuple[list[int], float]:
+        """The most frequent continuation of the occurrences ``occ`` (latest first), token by token, while
+        the share of occurrences that agree with it stays >= min_token_prob; and the sum of those shares
+        (the expected number of accepted tokens)."""
+        total = len(occ)
+        out: list[int] = []
+        score = 0.0
+        live = occ
+        for j in range(room):
+            counts: dict[int, int] = {}
+            for seq, p in live:
+                if p + j < len(seq):
+                    t = seq[p + j]
+                    counts[t] = counts.get(t, 0) + 1
+            if not counts:
+                break
+            tok = max(counts, key=counts.get)  # ties: the latest occurrence's token
+            prob = counts[tok] / total
+            if prob < self.min_prob:
+                break
+            out.append(int(tok))
+            score += prob
+            live = [(seq, p) for seq, p in live if p + j < len(seq) and seq[p + j] == tok]
+        return out, score
