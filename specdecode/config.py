@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 

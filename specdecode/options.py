@@ -363,6 +363,21 @@ def speculative_fields(config: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- command line
+def speculative_config_json(text: str | None) -> dict | None:
+    """``--speculative-config JSON`` -> the dict (None when not given); ValueError for anything but an object."""
+    import json
+
+    if not text:
+        return None
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config is not valid JSON ({e.msg}): {text!r}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"--speculative-config must be a JSON object, got {text!r}.")
+    return cfg
+
+
 def _argtype(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     def wrapped(s: str) -> Any:
         try:

@@ -251,20 +251,21 @@ def test_a_users_target_gets_the_policy_with_its_draft(tiny_models, tiny_draft):
 
 
 def test_default_llm_end_to_end():
-    """The default LLM() (the fast preset on the built-in pair) gives plain greedy decoding's tokens."""
+    """The default LLM() (the fast preset on the built-in pair) gives plain greedy decoding's tokens: the same
+    loaded engine with speculation switched off is the reference (plain w8a8 decoding of the same target)."""
     from specdecode import LLM, SamplingParams
 
     llm = LLM(max_model_len=256)
-    assert llm.config.speculative.adaptive and llm.config.speculative.ngram_first
+    spec = llm.config.speculative
+    assert spec.adaptive and spec.ngram_first and llm.config.quantization == P.target_quantization
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "Write a haiku about rain."}],
                                                      tokenize=False, add_generation_prompt=True)
     fast = llm.generate([prompt], params, use_tqdm=False)[0]
-    assert fast.metrics.spec_decode.num_drafts > 0
-    plain = LLM(max_model_len=256, speculative_config={"method": "none"})
-    assert plain.config.quantization == llm.config.quantization
-    assert list(plain.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids) == \
-        list(fast.outputs[0].token_ids)
+    llm.engine.set_speculative(None)
+    plain = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert plain.metrics.spec_decode.num_drafts == 0
+    assert list(plain.outputs[0].token_ids) == list(fast.outputs[0].token_ids)
 
 
 # ---------------------------------------------------------------- chat template by default

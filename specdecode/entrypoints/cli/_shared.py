@@ -3,9 +3,7 @@ option table in specdecode/options.py), loading an engine and streaming one requ
 from __future__ import annotations
 
 import argparse
-import json
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -148,18 +146,6 @@ def user_file(path: str, flag: str) -> str:
     return str(p)
 
 
-def speculative_config_json(text: str | None) -> dict | None:
-    if not text:
-        return None
-    try:
-        cfg = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--speculative-config is not valid JSON ({e.msg}): {text!r}") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"--speculative-config must be a JSON object, got {text!r}.")
-    return cfg
-
-
 def engine_kwargs(args, **defaults: Any) -> dict:
     """Engine keyword arguments from the flags given (plus ``defaults`` for options not given); model paths
     are checked before anything loads."""
@@ -173,7 +159,7 @@ def engine_kwargs(args, **defaults: Any) -> dict:
         kw["speculative_model"] = resolve_user_path(draft, "draft")
     if kw.get("speculative_token_map"):
         kw["speculative_token_map"] = user_file(kw["speculative_token_map"], "--token-map")
-    sc = speculative_config_json(getattr(args, "speculative_config", None))
+    sc = options.speculative_config_json(getattr(args, "speculative_config", None))
     if sc is not None:
         kw["speculative_config"] = sc
     return kw

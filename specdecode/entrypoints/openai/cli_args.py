@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from specdecode import options
@@ -60,13 +59,7 @@ def engine_kwargs_from_args(args: argparse.Namespace, model: str | None) -> dict
     given are left to the preset (EngineConfig.from_kwargs)."""
     kw: dict[str, Any] = options.kwargs_from_args(args)
     kw["model"] = model
-    sc = getattr(args, "speculative_config", None)
-    if sc:
-        try:
-            cfg = json.loads(sc)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--speculative-config is not valid JSON ({e.msg}): {sc!r}") from None
-        if not isinstance(cfg, dict):
-            raise ValueError(f"--speculative-config must be a JSON object, got {sc!r}.")
-        kw["speculative_config"] = cfg
+    sc = options.speculative_config_json(getattr(args, "speculative_config", None))
+    if sc is not None:
+        kw["speculative_config"] = sc
     return kw
