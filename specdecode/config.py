@@ -281,6 +281,7 @@ class EngineConfig:
     num_threads: int | None = None
     max_waiting_requests: int = 256
     compile: bool = False  # torch.compile the decode / verification layers where they run in Python
+    kv_cache_dtype: str = "auto"  # vLLM's name: "auto" (16-bit on CPU, the model dtype elsewhere), float16, bfloat16, float32
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
@@ -297,6 +298,8 @@ class EngineConfig:
             raise ValueError(f"num_threads must be an integer >= 1, got {self.num_threads!r}.")
         if not _is_int(self.max_waiting_requests) or self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be an integer >= 1, got {self.max_waiting_requests!r}.")
+        from specdecode.engine.kv_cache import check_kv_cache_dtype
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile must be True or False, got {self.compile!r}.")
         if self.device == "auto":

@@ -304,11 +304,69 @@ def test_w4a8_select_rows_and_layout_round_trip():
     assert torch.equal(kernels.rowinv_linear(x, sub), kernels.rowinv_linear(x, p)[:, rows])
 
 
-def test_integer_instruction_sets_agree_bitwise(tmp_path):
+def _kv_edge_values() -> torch.Tensor:
+    """Floats around every rounding decision of float32 -> float16 / bfloat16: each 16-bit value, the midpoints
+    between neighbours (ties) and one float32 step either side, subnormals, overflow and specials."""
+    halves = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    bfs = (torch.arange(0, 1 << 16, dtype=torch.int32) << 16).view(torch.float32)
+    out = []
+    for v in (halves, bfs):
+        v = v[torch.isfinite(v)].unique()
+        mid = (v[:-1].double() + v[1:].double()) / 2
+        mid = mid[mid.abs() < 3e38].float()
+        out += [v, mid, torch.nextafter(mid, torch.tensor(float("inf"))), torch.nextafter(mid, torch.tensor(-float("inf")))]
+    special = torch.tensor([0.0, -0.0, 65504.0, 65519.996, 65520.0, 65536.0, 2.0 ** -24, 2.0 ** -25, 2.0 ** -26,
+                            1e-45, -1e-40, 1.5 * 2.0 ** -25, float("inf"), -float("inf"), 3.4e38, -3.4e38])
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randn(200000, generator=g) * torch.exp(torch.empty(200000).uniform_(-40, 25, generator=g))
+    return torch.cat(out + [special, wide]).contiguous()
+
+
+def _kv_store(ext, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.empty(x.numel(), dtype=dtype)
+    ext.kv_store(kernels.KV_DTYPES[dtype], x.data_ptr(), out.data_ptr(), x.numel())
+    return out
+
+
+def _assert_kv_store_matches_torch(ext) -> None:
+    x = _kv_edge_values()
+    for dtype in (torch.float16, torch.bfloat16):
+        got, want = _kv_store(ext, x, dtype), x.to(dtype)
+        same = got.view(torch.int16) == want.view(torch.int16)
+        bad = (~same).nonzero()[:5, 0]
+        assert bool(same.all()), f"{dtype}: {x[bad].tolist()} -> {got[bad].tolist()}, torch {want[bad].tolist()}"
+    assert torch.equal(_kv_store(ext, x, torch.float32), x)
+
+
+def test_kv_cache_narrowing_matches_torch():
+    """The C++ stack stores keys and values with the same round-to-nearest-even as torch's .to(), bit for bit,
+    including ties, subnormals and overflow, so both attention paths write one cache format."""
+    if not kernels.kernel_available():
+        pytest.fail("the kernel must build on the test machine")
+    _assert_kv_store_matches_torch(kernels._ext)
+
+
+def _stack_logits(path) -> torch.Tensor:
+    """Verification rows through the C++ stack over a 16-bit cache (two requests, one crossing a block)."""
+    from specdecode.engine.model_runner import ModelRunner
+    from specdecode.models.loader import load_model
+
+    r = ModelRunner(load_model(path, "float32", "cpu", 64, "w8a8"), 2, 64, "cpu")
+    assert r.model._layer_stack() is not None and r.kv_cache.dtype == torch.float16
+    ids = torch.randint(5, 500, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    r.prefill(0, ids[:14])
+    r.prefill(1, ids[:5])
+    return torch.cat(r.forward_rows([(0, 14, ids[14:20]), (1, 5, ids[5:6])], all_logits=True))
+
+
+def test_integer_instruction_sets_agree_bitwise(tmp_path, tiny_models):
     """The AVX-512 VNNI, AVX2 and portable paths compute the same integer lanes and the same float
     epilogue, so a model gives the same tokens on any x86 CPU. Builds the kernel with the wider
-    instruction sets switched off and compares against the default build."""
+    instruction sets switched off and compares against the default build. The decoder stack over a 16-bit
+    KV cache (F16C conversions, or the portable ones without it) agrees bitwise too."""
     from torch.utils import cpp_extension
+
+    from tiny import build_model
 
     if not kernels.kernel_available():
         pytest.fail("the kernel must build on the test machine")
@@ -324,6 +382,8 @@ def test_integer_instruction_sets_agree_bitwise(tmp_path):
         for fmt in ("w8a8", "w4a8"):
             cases.append((kernels.pack_linear(w, fmt), _x(7, k, 70 + i) * 4, torch.randn(n)))
     expected = [kernels.rowinv_linear(x, p, b) for p, x, b in cases]
+    models = [tiny_models["qwen3"], build_model("qwen2", tmp_path / "head64", layers=1, hidden=256)]  # D 32, 64
+    expected_stack = [_stack_logits(m) for m in models]
     saved = kernels._ext
     try:
         for name, flags in variants.items():
@@ -334,6 +394,9 @@ def test_integer_instruction_sets_agree_bitwise(tmp_path):
             kernels._ext = mod
             for (p, x, b), want in zip(cases, expected):
                 assert torch.equal(kernels.rowinv_linear(x, p, b), want), f"{name} differs from {saved.isa()}"
+            _assert_kv_store_matches_torch(mod)
+            for m, want in zip(models, expected_stack):
+                assert torch.equal(_stack_logits(m), want), f"decoder stack: {name} differs from {saved.isa()}"
     finally:
         kernels._ext = saved
 

@@ -13,8 +13,9 @@ from specdecode.models.loader import load_model
 STACK_FAMILIES = ("llama", "qwen2", "qwen3")
 
 
-def _runner(path, quantization=None) -> ModelRunner:
-    return ModelRunner(load_model(path, "float32", "cpu", 128, quantization), 3, 128, "cpu")
+def _runner(path, quantization=None, kv_cache_dtype: str = "auto") -> ModelRunner:
+    return ModelRunner(load_model(path, "float32", "cpu", 128, quantization), 3, 128, "cpu",
+                       kv_cache_dtype=kv_cache_dtype)
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -49,10 +50,46 @@ def test_stack_matches_python_layers(fam, quantization, tiny_models):
     assert torch.equal(out[True].argmax(-1), out[False].argmax(-1))
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16"])
+def test_stack_matches_python_layers_on_other_cache_dtypes(kv_cache_dtype, tiny_models):
+    """The stack reads and writes each cache dtype as the Python attention does (the default float16 is
+    covered above)."""
+    ids = _prompt(40, 4)
+    out = {}
+    for fused in (True, False):
+        r = _runner(tiny_models["qwen3"], kv_cache_dtype=kv_cache_dtype)
+        assert r.kv_cache.dtype == getattr(torch, kv_cache_dtype)
+        r.model.fused_layers = fused
+        r.prefill(0, ids[:20])
+        verified = r.forward_rows([(0, 20, ids[20:30])], all_logits=True)[0]
+        decoded = [r.forward_rows([(0, 30 + i, [t])], all_logits=True)[0] for i, t in enumerate(ids[30:])]
+        out[fused] = torch.cat([verified, *decoded])
+    diff = (out[True] - out[False]).abs().max().item()
+    assert diff < 1e-4, f"{kv_cache_dtype}: max abs diff {diff:.2e}"
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
+def test_stack_rounds_keys_and_values_as_torch_does(kv_cache_dtype, tiny_models):
+    """What the stack stores for a row is torch's rounding of the fp32 key / value: a run with an fp32 cache
+    gives the exact values (the first layer sees the same input either way), narrowed by torch they must equal
+    the 16-bit cache's bits, so the Python path and the stack agree on every stored value."""
+    ids = _prompt(24, 5)
+    stored = {}
+    for dt in ("float32", kv_cache_dtype):
+        r = _runner(tiny_models["llama"], kv_cache_dtype=dt)
+        r.prefill(0, ids[:16])
+        r.forward_rows([(0, 16, ids[16:])], all_logits=True)  # positions 16..23 written by the stack
+        stored[dt] = r.kv_cache.read(0, 0, 24, torch.float32)
+    dtype = getattr(torch, kv_cache_dtype)
+    for exact, narrow in zip(stored["float32"], stored[kv_cache_dtype]):
+        assert torch.equal(exact[:, 16:].to(dtype).float(), narrow[:, 16:])
+        assert not torch.equal(exact[:, 16:], narrow[:, 16:])  # it did round
+
+
 @pytest.mark.parametrize("quantization", [None, "w8a8", "w4a8"])
 def test_stack_rows_are_invariant(quantization, tiny_models):
     """One request's rows decoded one at a time, verified together, and verified next to other requests'
-    rows on another thread count: bitwise the same logits and KV cache."""
+    rows on another thread count: bitwise the same logits and (16-bit) KV cache."""
     ids, other = _prompt(24, 2), _prompt(40, 3)
 
     def run(mode: str, threads: int):
@@ -71,12 +108,9 @@ def test_stack_rows_are_invariant(quantization, tiny_models):
             else:  # between another request's rows
                 rows = r.forward_rows([(2, 30, other[30:34]), (1, 16, ids[16:]), (2, 34, other[34:36])],
                                       all_logits=True)[1]
-            kv = [(L.attn.k_cache[1, :, :24].clone(), L.attn.v_cache[1, :, :24].clone()) for L in r.model.layers]
-            # The transposed key copy the stack's attention reads holds the same keys, whichever path wrote them.
-            for L in r.model.layers:
-                kt = L.attn.kt_cache.transpose(3, 4).flatten(2, 3)  # back to [slots, KV, positions, D]
-                for s, n in ((1, 24), (2, 36 if mode == "mixed" else 30)):
-                    assert torch.equal(kt[s, :, :n], L.attn.k_cache[s, :, :n])
+            cache = r.kv_cache
+            assert cache.dtype == torch.float16  # "auto" on CPU: the stack reads the 16-bit cache directly
+            kv = [cache.read(i, 1, 24, torch.float32) for i in range(cache.num_layers)]
             return rows, kv
         finally:
             torch.set_num_threads(prev)
@@ -100,4 +134,12 @@ def test_stack_rejects_bad_input(tiny_models):
         stack(torch.zeros(2, 3), torch.tensor([0, 1]), torch.tensor([0, 0]))
     with pytest.raises(ValueError, match="float32"):
         stack(x.double(), torch.tensor([0, 1]), torch.tensor([0, 0]))
+    table = r.kv_cache.block_table
+    saved = table[1, 2].item()
+    table[1, 2] = r.kv_cache.num_blocks  # a paged table with a bad entry is caught, not followed
+    try:
+        with pytest.raises(ValueError, match="block table entry out of range"):
+            stack(x, torch.tensor([40, 41]), torch.tensor([1, 1]))
+    finally:
+        table[1, 2] = saved
     assert kernels.kernel_available()

@@ -39,7 +39,7 @@ class LLMEngine:
         target = load_model(target_path, c.dtype, c.device, c.max_model_len, c.quantization)
         self.max_model_len = target.max_model_len
         self.tokenizer = load_tokenizer(target_path, target.is_gguf)
-        self.target = ModelRunner(target, c.max_num_seqs, self.max_model_len, c.device)
+        self.target = ModelRunner(target, c.max_num_seqs, self.max_model_len, c.device, c.kv_cache_dtype)
         self.eos_token_ids = eos_ids(self.tokenizer, target.hf_config)
         self.model_path = target_path
         self.proposer: Proposer | None = None
@@ -53,7 +53,7 @@ class LLMEngine:
                                    target.model.param_count(), draft.model.param_count(),
                                    target.model.args.vocab_size, draft.model.args.vocab_size)
             self.draft_path = draft_path
-            self.draft_runner = ModelRunner(draft, c.max_num_seqs, self.max_model_len, c.device)
+            self.draft_runner = ModelRunner(draft, c.max_num_seqs, self.max_model_len, c.device, c.kv_cache_dtype)
         if c.compile:
             for runner in (self.target, self.draft_runner):
                 if runner is not None:

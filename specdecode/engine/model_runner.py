@@ -1,37 +1,33 @@
 """Runs one model over the engine's cache slots.
 
-The KV cache is preallocated per model: [slots, kv_heads, max_model_len, head_dim] per layer. The runner
-never tracks lengths; each request's computed length lives in the request and is passed in as the start
-position, so rolling back rejected drafts is just lowering that number.
+The runner's KVCache (engine/kv_cache.py) holds every layer's keys and values. The runner never tracks
+lengths; each request's computed length lives in the request and is passed in as the start position, so
+rolling back rejected drafts is just lowering that number.
 """
 from __future__ import annotations
 
 import torch
 
+from specdecode.engine.kv_cache import KVCache
 from specdecode.layers.attention import Attention, ForwardBatch
-from specdecode.layers.kernels import KEY_TILE
 from specdecode.models.loader import LoadedModel
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, max_num_seqs: int, max_model_len: int, device: str):
+    def __init__(self, loaded: LoadedModel, max_num_seqs: int, max_model_len: int, device: str,
+                 kv_cache_dtype: str = "auto"):
+        """kv_cache_dtype: "auto" (16-bit on CPU, the model dtype elsewhere), "float16", "bfloat16" or
+        "float32" (see engine.kv_cache)."""
         self.model = loaded.model
         self.hf_config = loaded.hf_config
         self.device = torch.device(device)
         self.max_model_len = max_model_len
-        a = self.model.args
-        self.vocab_size = a.vocab_size
+        self.vocab_size = self.model.args.vocab_size
         self.num_passes = 0  # decode/verify forward passes; the bench turns them into weight bytes read
-        cache_dtype = torch.float32 if self.device.type == "cpu" else self.model.embed_tokens.weight.dtype
-        shape = (max_num_seqs, a.num_kv_heads, max_model_len, a.head_dim)
-        for m in self.model.modules():
-            if isinstance(m, Attention):
-                m.k_cache = torch.zeros(shape, dtype=cache_dtype, device=self.device)
-                m.v_cache = torch.zeros(shape, dtype=cache_dtype, device=self.device)
-                if self.device.type == "cpu" and self.model.stack_family():  # read by kernels.LayerStack
-                    tiles = -(-max_model_len // KEY_TILE)
-                    m.kt_cache = torch.zeros((max_num_seqs, a.num_kv_heads, tiles, a.head_dim, KEY_TILE),
-                                             dtype=cache_dtype, device=self.device)
+        self.kv_cache = KVCache.for_model(self.model, max_num_seqs, max_model_len, kv_cache_dtype, self.device)
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for i, m in enumerate(layers):
+            m.bind_kv_cache(self.kv_cache, i)
 
     def _tensor(self, xs: list[int]) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.long, device=self.device)

@@ -1,4 +1,4 @@
-"""Attention over a preallocated KV cache.
+"""Attention over the model's KV cache (engine.kv_cache.KVCache).
 
 Tokens arrive flattened: token i belongs to cache slot ``slots[i]`` at position ``positions[i]``.
 Prefill (one whole prompt) runs one causal SDPA call. Decode and verification rows run one SDPA call
@@ -8,12 +8,14 @@ decoded alone or verified together with drafts or other requests.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from specdecode.layers.kernels import KEY_TILE
+if TYPE_CHECKING:
+    from specdecode.engine.kv_cache import KVCache
 
 
 @dataclass
@@ -26,6 +28,13 @@ class ForwardBatch:
     prefill: bool                # one sequence, all of its new tokens causal among themselves
     logits_rows: torch.Tensor    # rows whose logits the caller wants
     _runs: list[tuple[int, int, int, int]] | None = field(default=None, repr=False)
+    _kv_loc: tuple[object, tuple[torch.Tensor, torch.Tensor]] | None = field(default=None, repr=False)
+
+    def kv_location(self, cache: "KVCache") -> tuple[torch.Tensor, torch.Tensor]:
+        """Where each token's K/V goes in ``cache`` (KVCache.locate), computed once per pass for all layers."""
+        if self._kv_loc is None or self._kv_loc[0] is not cache:
+            self._kv_loc = (cache, cache.locate(self.slots, self.positions))
+        return self._kv_loc[1]
 
     def runs(self) -> list[tuple[int, int, int, int]]:
         """(slot, first position, first row, end row) for each stretch of consecutive positions of one slot."""
@@ -44,29 +53,24 @@ class Attention(nn.Module):
     def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int, scale: float):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim, self.scale = n_heads, n_kv_heads, head_dim, scale
-        self.k_cache: torch.Tensor | None = None  # [slots, kv_heads, max_len, head_dim], bound by the engine
-        self.v_cache: torch.Tensor | None = None
-        # The keys once more where the C++ layer stack runs (kernels.LayerStack), in transposed tiles of
-        # KEY_TILE positions ([slots, kv_heads, tiles, head_dim, KEY_TILE]): its decode attention reads each
-        # tile of keys as one contiguous block.
-        self.kt_cache: torch.Tensor | None = None
+        # The model's KV cache and this layer's index in it, bound by the engine (bind_kv_cache).
+        self.kv_cache: KVCache | None = None
+        self.layer_index = 0
+
+    def bind_kv_cache(self, cache: "KVCache | None", layer_index: int) -> None:
+        self.kv_cache, self.layer_index = cache, layer_index
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
         """q: [N, H, D]; k, v: [N, KV, D] -> [N, H*D]."""
-        kc, vc = self.k_cache, self.v_cache
-        # Slice copies per stretch of positions: far cheaper than one scattered index_put per layer.
-        for slot, p0, i0, i1 in b.runs():
-            kc[slot, :, p0:p0 + i1 - i0] = k[i0:i1].transpose(0, 1)
-            vc[slot, :, p0:p0 + i1 - i0] = v[i0:i1].transpose(0, 1)
-            if self.kt_cache is not None:
-                p = torch.arange(p0, p0 + i1 - i0, device=k.device)
-                self.kt_cache[slot].permute(1, 3, 0, 2)[p // KEY_TILE, p % KEY_TILE] = k[i0:i1]
+        cache, layer = self.kv_cache, self.layer_index
+        if cache is None:
+            raise RuntimeError("Attention has no KV cache bound: build a ModelRunner for this model first.")
+        cache.write(layer, b.kv_location(cache), k, v)
         n, rep = q.shape[0], self.n_heads // self.n_kv
         if b.prefill:
             slot, start = b.slot_list[0], b.pos_list[0]
             end = start + n
-            keys = kc[slot, :, :end].to(q.dtype)
-            vals = vc[slot, :, :end].to(q.dtype)
+            keys, vals = cache.read(layer, slot, end, q.dtype)
             if rep > 1:
                 keys, vals = keys.repeat_interleave(rep, 0), vals.repeat_interleave(rep, 0)
             qh = q.transpose(0, 1)
@@ -80,8 +84,14 @@ class Attention(nn.Module):
         # The rep query heads that share a KV head act as rep query rows: no K/V copy for GQA. Inputs are
         # 4-D so that SDPA can take its fused kernel (3-D inputs fall back to the slower unfused path).
         qg = q.view(n, 1, self.n_kv, rep, self.head_dim)
-        for i, (slot, pos) in enumerate(zip(b.slot_list, b.pos_list)):
-            out[i] = F.scaled_dot_product_attention(
-                qg[i], kc[slot:slot + 1, :, :pos + 1].to(q.dtype), vc[slot:slot + 1, :, :pos + 1].to(q.dtype),
-                scale=self.scale)[0]
+        for slot, p0, i0, i1 in b.runs():
+            # One widened copy of the request's prefix per stretch of rows; each row attends to exactly its own
+            # prefix of it. SDPA's result depends on the values and the sequence length only (not on where
+            # the buffer ends), so a row's output is the same alone or next to its drafts.
+            keys, vals = cache.read(layer, slot, p0 + i1 - i0, q.dtype)
+            keys, vals = keys[None], vals[None]
+            for i in range(i0, i1):
+                end = p0 + i - i0 + 1
+                out[i] = F.scaled_dot_product_attention(qg[i], keys[:, :, :end], vals[:, :, :end],
+                                                        scale=self.scale)[0]
         return out.view(n, -1)

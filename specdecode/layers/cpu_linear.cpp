@@ -1319,27 +1319,111 @@ PyObject* py_linear(PyObject*, PyObject* args) {
 // being row-invariant, which it is: every row's norm, rotary, attention and activation is computed from
 // that row alone in a fixed order, and the linears are the row-invariant kernels above.
 // =============================================================================================
-constexpr int kLayerFields = 7 + 4 * 7;  // see LayerDesc::from
+constexpr int kLayerFields = 6 + 4 * 7;  // see LayerDesc::from
+
+// KV cache (engine/kv_cache.py): positions in blocks of kKeyTile, found through a block table
+// ([slots, blocks_per_slot] int64). Per layer: keys [blocks, KV, D, kKeyTile] (transposed inside the block:
+// one block of keys is one contiguous tile), values [blocks, KV, kKeyTile, D]; elements in one of KvFmt.
+enum KvFmt : int { kKvF32 = 0, kKvF16 = 1, kKvBF16 = 2 };
+constexpr int64_t kKeyTile = 16;  // positions per block = keys per score tile (kernels.KEY_TILE)
 
 struct LayerDesc {
   const float *attn_norm, *mlp_norm, *q_norm, *k_norm;  // q_norm / k_norm null unless per-head q/k norms
-  float *k_cache, *v_cache;                             // [slots, KV, max_len, D]
-  float* kt_cache;  // the keys again, in transposed tiles: [slots, KV, ceil(max_len / kKeyTile), D, kKeyTile]
+  void *keys, *values;                                   // this layer's KV blocks, see KvFmt
   Lin qkv, o, gate_up, down;
   static LayerDesc from(const int64_t* f) {
     auto lin = [](const int64_t* v) {
       return Lin{v[0], ptr<const void>(v[1]), v[2], ptr<const void>(v[3]), ptr<const float>(v[4]), v[5], v[6]};
     };
     return LayerDesc{ptr<const float>(f[0]), ptr<const float>(f[1]), ptr<const float>(f[2]), ptr<const float>(f[3]),
-                     ptr<float>(f[4]), ptr<float>(f[5]), ptr<float>(f[6]), lin(f + 7), lin(f + 14), lin(f + 21),
-                     lin(f + 28)};
+                     ptr<void>(f[4]), ptr<void>(f[5]), lin(f + 6), lin(f + 13), lin(f + 20), lin(f + 27)};
   }
 };
 
 struct StackDims {
   int64_t hidden, H, KV, D, I, slots, max_len;
   float eps, scale;
+  int kv_fmt;                  // KvFmt
+  const int64_t* block_table;  // [slots, blocks_per_slot]
+  int64_t blocks_per_slot, num_blocks;
+  // Block of position p of a slot, and the element offset of (block, KV head) in a layer's keys or values.
+  int64_t block(int64_t slot, int64_t p) const { return block_table[slot * blocks_per_slot + p / kKeyTile]; }
+  int64_t at(int64_t blk, int64_t kv) const { return (blk * KV + kv) * D * kKeyTile; }
 };
+
+// ---- KV element conversions. Widening is exact; narrowing rounds to nearest even, as torch's .to() does, so
+// the C++ stack and the Python attention store the same bits for the same float (NaN payloads aside). ----
+static inline uint16_t f32_to_f16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof(x));
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+  const uint32_t a = x & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return sign | 0x7E00u;     // NaN
+  if (a >= 0x477FF000u) return sign | 0x7C00u;    // 65520 and up round to infinity
+  if (a >= 0x38800000u) {                          // normal half (2^-14 and up): rebias, drop 13 bits
+    const uint32_t h = a - 0x38000000u;
+    return sign | static_cast<uint16_t>((h + 0xFFFu + ((h >> 13) & 1u)) >> 13);
+  }
+  if (a <= 0x33000000u) return sign;               // 2^-25 and below: zero (2^-25 is a tie to even 0)
+  // Subnormal half m * 2^-24: the 24-bit significand shifted right by 126 - exponent, rounded to even.
+  const uint32_t e = a >> 23, sig = (a & 0x7FFFFFu) | 0x800000u, sh = 126u - e;
+  uint32_t m = sig >> sh;
+  const uint32_t rest = sig & ((1u << sh) - 1u), halfway = 1u << (sh - 1u);
+  if (rest > halfway || (rest == halfway && (m & 1u))) ++m;
+  return sign | static_cast<uint16_t>(m);
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof(x));
+  if ((x & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;  // NaN
+  return static_cast<uint16_t>((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
+}
+
+static inline void kv_put(int fmt, void* base, int64_t i, float f) {
+  if (fmt == kKvF32) {
+    static_cast<float*>(base)[i] = f;
+  } else if (fmt == kKvF16) {
+#if defined(__F16C__)
+    static_cast<uint16_t*>(base)[i] = static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
+#else
+    static_cast<uint16_t*>(base)[i] = f32_to_f16(f);
+#endif
+  } else {
+    static_cast<uint16_t*>(base)[i] = f32_to_bf16(f);
+  }
+}
+
+// n elements from element i of base, widened to fp32.
+static void kv_load(int fmt, const void* base, int64_t i, int64_t n, float* out) {
+  if (fmt == kKvF32) {
+    std::memcpy(out, static_cast<const float*>(base) + i, sizeof(float) * n);
+    return;
+  }
+  const uint16_t* h = static_cast<const uint16_t*>(base) + i;
+  int64_t j = 0;
+#if SPECDECODE_AVX2
+  if (fmt == kKvBF16) {
+    for (; j + 8 <= n; j += 8) {
+      const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + j)));
+      _mm256_storeu_ps(out + j, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+    }
+  }
+#endif
+#if defined(__F16C__)
+  if (fmt == kKvF16)
+    for (; j + 8 <= n; j += 8)
+      _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + j))));
+#endif
+  for (; j < n; ++j) {
+    if (fmt == kKvF16) {
+      out[j] = half_to_float(h[j]);
+    } else {
+      const uint32_t u = static_cast<uint32_t>(h[j]) << 16;
+      std::memcpy(out + j, &u, sizeof(float));
+    }
+  }
+}
 
 // Sum of a[i] * b[i] in 8 interleaved partial sums and one fixed pairwise reduction.
 static inline float dot(const float* a, const float* b, int64_t n) {
@@ -1387,8 +1471,9 @@ static void rotate(float* x, const float* cos, const float* sin_signed, int64_t 
 // Attention of decode / verification rows. Every score is q . k summed over d = 0..D-1 in order, every
 // output element sum_j p_j * v_j[d] in key order, and the softmax total in key order: one rounding per
 // multiply and per add (the file is built with -ffp-contract=off), so a row's result does not depend on
-// which other queries or keys share a tile, nor on the vector width the compiler picks.
-constexpr int64_t kKeyTile = 16;
+// which other queries or keys share a tile, nor on the vector width the compiler picks. 16-bit caches are
+// widened to fp32 (exactly) one tile at a time, so a row's arithmetic is that of an fp32 cache holding the
+// same values.
 typedef float V16 __attribute__((vector_size(kKeyTile * sizeof(float))));
 static inline V16 load16(const float* p) {
   V16 v;
@@ -1418,15 +1503,15 @@ static inline void score_tile(const float* const* q, const float* kt, int64_t D,
   }
 }
 
-// acc[a][d] += sum_j p[a][j] * v_j[d] over keys [j0, j1) in key order, for NQ queries that all see those keys.
-// DT = D known at compile time keeps the running sums in registers for the tile.
+// acc[a][d] += sum_j p[a][j] * v_j[d] over keys [j0, j1) in key order, for NQ queries that all see those keys;
+// vals holds v_j0, v_j0+1, ... DT = D known at compile time keeps the running sums in registers for the tile.
 template <int DT, int NQ>
 static inline void weighted_sum(float* const* p, int64_t j0, int64_t j1, const float* vals, float* const* acc) {
   float s[NQ][DT];
   for (int a = 0; a < NQ; ++a)
     for (int64_t d = 0; d < DT; ++d) s[a][d] = acc[a][d];
   for (int64_t j = j0; j < j1; ++j) {
-    const float* v = vals + j * DT;
+    const float* v = vals + (j - j0) * DT;
     for (int a = 0; a < NQ; ++a) {
       const float e = p[a][j];
       for (int64_t d = 0; d < DT; ++d) s[a][d] += e * v[d];
@@ -1438,25 +1523,28 @@ static inline void weighted_sum(float* const* p, int64_t j0, int64_t j1, const f
 
 static void weighted_sum_any(const float* p, int64_t j0, int64_t j1, const float* vals, int64_t D, float* acc) {
   for (int64_t j = j0; j < j1; ++j)
-    for (int64_t d = 0; d < D; ++d) acc[d] += p[j] * vals[j * D + d];
+    for (int64_t d = 0; d < D; ++d) acc[d] += p[j] * vals[(j - j0) * D + d];
 }
 
 // One KV head against the rows [m0, m1) of one request (one cache slot, increasing positions), each row
 // with its rep query heads: row m attends to keys [0, pos[m]]. Keys and values are read once for all of
 // those rows, so a verification pass over k + 1 rows streams the request's KV cache once, not k + 1 times.
-// keys_t holds this slot and head's keys in transposed tiles ([tiles, D, kKeyTile]), so each tile of keys is
-// one contiguous block and nothing is transposed per step. Lanes of the last tile past the newest key hold
-// stale or zero values; their scores are never read.
-static void attend_rows(const float* qkv, int64_t nqkv, const int64_t* pos, int64_t m0, int64_t m1, int64_t kv,
-                        int64_t rep, const float* keys_t, const float* vals, int64_t D, float scale,
-                        float* att, int64_t ld_att, std::vector<float>& scratch) {
-  const int64_t n = (m1 - m0) * rep;
+// Each block's keys are one transposed tile ([D, kKeyTile]), so nothing is transposed per step. Lanes of the
+// last block past the newest key hold stale or zero values; their scores are never read.
+static void attend_rows(const LayerDesc& L, const StackDims& g, const float* qkv, int64_t nqkv, const int64_t* pos,
+                        int64_t slot, int64_t m0, int64_t m1, int64_t kv, int64_t rep, float* att, int64_t ld_att,
+                        std::vector<float>& scratch) {
+  const int64_t D = g.D, n = (m1 - m0) * rep;
   int64_t len = 0;
   for (int64_t m = m0; m < m1; ++m) len = std::max(len, pos[m] + 1);
   const int64_t ld = (len + kKeyTile - 1) / kKeyTile * kKeyTile;
-  scratch.resize(n * ld + n + n * D);
+  // scores [n, ld], totals [n], sums [n, D], one widened key tile [D, kKeyTile], one value tile [kValueTile, D]
+  scratch.resize(n * ld + n + n * D + D * kKeyTile + kValueTile * D);
   float* const scores = scratch.data();
   float* const total = scores + n * ld;
+  float* const acc = total + n;
+  float* const key_tile = acc + n * D;
+  float* const val_tile = key_tile + D * kKeyTile;
   std::vector<const float*> q(n);
   std::vector<float*> srow(n), orow(n);
   std::vector<int64_t> lens(n);
@@ -1468,17 +1556,20 @@ static void attend_rows(const float* qkv, int64_t nqkv, const int64_t* pos, int6
   }
   for (int64_t j0 = 0; j0 < len; j0 += kKeyTile) {
     const int64_t jt = std::min(kKeyTile, len - j0);
-    const float* tile = keys_t + j0 * D;
+    const int64_t at = g.at(g.block(slot, j0), kv);
+    const float* tile = key_tile;
+    if (g.kv_fmt == kKvF32) tile = static_cast<const float*>(L.keys) + at;
+    else kv_load(g.kv_fmt, L.keys, at, D * kKeyTile, key_tile);
     float* out[4];
     int64_t i = 0;
     for (; i + 4 <= n; i += 4) {
       for (int a = 0; a < 4; ++a) out[a] = srow[i + a] + j0;
-      score_tile<4>(q.data() + i, tile, D, scale, jt, out);
+      score_tile<4>(q.data() + i, tile, D, g.scale, jt, out);
     }
     for (int a = 0; i + a < n; ++a) out[a] = srow[i + a] + j0;
-    if (n - i == 3) score_tile<3>(q.data() + i, tile, D, scale, jt, out);
-    else if (n - i == 2) score_tile<2>(q.data() + i, tile, D, scale, jt, out);
-    else if (n - i == 1) score_tile<1>(q.data() + i, tile, D, scale, jt, out);
+    if (n - i == 3) score_tile<3>(q.data() + i, tile, D, g.scale, jt, out);
+    else if (n - i == 2) score_tile<2>(q.data() + i, tile, D, g.scale, jt, out);
+    else if (n - i == 1) score_tile<1>(q.data() + i, tile, D, g.scale, jt, out);
   }
   for (int64_t i = 0; i < n; ++i) {  // softmax numerators; keys past a row's own position are never read
     float* s = srow[i];
@@ -1490,22 +1581,26 @@ static void attend_rows(const float* qkv, int64_t nqkv, const int64_t* pos, int6
     for (int64_t j = 0; j < li; ++j) t += s[j];
     total[i] = t;
   }
-  // Values in tiles of kValueTile keys, each tile used by every query while it sits in L1 (a pass over all
-  // values per query would stream them from L3 once per query). A query's sums still run in key order.
-  float* const acc = total + n;
+  // Values in tiles of kValueTile keys (widened into val_tile), each tile used by every query while it sits in
+  // L1 (a pass over all values per query would stream them from L3 once per query). A query's sums still run
+  // in key order.
   std::vector<float*> arow(n);
   for (int64_t i = 0; i < n; ++i) arow[i] = acc + i * D;
   std::fill(acc, acc + n * D, 0.0f);
   for (int64_t j0 = 0; j0 < len; j0 += kValueTile) {
+    const int64_t jend = std::min(j0 + kValueTile, len);
+    for (int64_t b0 = j0; b0 < jend; b0 += kKeyTile)
+      kv_load(g.kv_fmt, L.values, g.at(g.block(slot, b0), kv), std::min(kKeyTile, jend - b0) * D,
+              val_tile + (b0 - j0) * D);
     for (int64_t i = 0; i < n;) {
       const int64_t j1 = std::min(j0 + kValueTile, lens[i]);
       const bool pair = i + 1 < n && lens[i + 1] == lens[i] && (D == 128 || D == 64);
       if (j1 > j0) {
-        if (D == 128 && pair) weighted_sum<128, 2>(&srow[i], j0, j1, vals, &arow[i]);
-        else if (D == 128) weighted_sum<128, 1>(&srow[i], j0, j1, vals, &arow[i]);
-        else if (D == 64 && pair) weighted_sum<64, 2>(&srow[i], j0, j1, vals, &arow[i]);
-        else if (D == 64) weighted_sum<64, 1>(&srow[i], j0, j1, vals, &arow[i]);
-        else weighted_sum_any(srow[i], j0, j1, vals, D, arow[i]);
+        if (D == 128 && pair) weighted_sum<128, 2>(&srow[i], j0, j1, val_tile, &arow[i]);
+        else if (D == 128) weighted_sum<128, 1>(&srow[i], j0, j1, val_tile, &arow[i]);
+        else if (D == 64 && pair) weighted_sum<64, 2>(&srow[i], j0, j1, val_tile, &arow[i]);
+        else if (D == 64) weighted_sum<64, 1>(&srow[i], j0, j1, val_tile, &arow[i]);
+        else weighted_sum_any(srow[i], j0, j1, val_tile, D, arow[i]);
       }
       i += pair ? 2 : 1;
     }
@@ -1517,7 +1612,6 @@ static void attend_rows(const float* qkv, int64_t nqkv, const int64_t* pos, int6
 static void layer_forward(const LayerDesc& L, const StackDims& g, float* x, int64_t M, const int64_t* pos,
                           const int64_t* slot, const float* cos, const float* sin_signed) {
   const int64_t h = g.hidden, D = g.D, H = g.H, KV = g.KV, I = g.I, rep = H / KV, nqkv = (H + 2 * KV) * D;
-  const int64_t key_tiles = (g.max_len + kKeyTile - 1) / kKeyTile;  // per (slot, KV head) of kt_cache
   if (M == 0) return;
   // Scratch kept across calls: fresh buffers this size come from mmap and cost a page fault per 4 KB.
   thread_local std::vector<float> buf;
@@ -1537,13 +1631,13 @@ static void layer_forward(const LayerDesc& L, const StackDims& g, float* x, int6
       if (L.q_norm) rms_norm(v, hd < H ? L.q_norm : L.k_norm, D, g.eps, v);
       rotate(v, c, sn, D);
     }
+    const int64_t blk = g.block(slot[m], pos[m]), off = pos[m] % kKeyTile;
     for (int64_t kv = 0; kv < KV; ++kv) {  // all rows' keys first: later rows of a request attend to them
-      const int64_t at = ((slot[m] * KV + kv) * g.max_len + pos[m]) * D;
-      std::memcpy(L.k_cache + at, row + (H + kv) * D, sizeof(float) * D);
-      std::memcpy(L.v_cache + at, row + (H + KV + kv) * D, sizeof(float) * D);
-      float* kt = L.kt_cache + ((slot[m] * KV + kv) * key_tiles + pos[m] / kKeyTile) * D * kKeyTile +
-                  pos[m] % kKeyTile;
-      for (int64_t d = 0; d < D; ++d) kt[d * kKeyTile] = row[(H + kv) * D + d];
+      const int64_t at = g.at(blk, kv);
+      for (int64_t d = 0; d < D; ++d) {
+        kv_put(g.kv_fmt, L.keys, at + d * kKeyTile + off, row[(H + kv) * D + d]);
+        kv_put(g.kv_fmt, L.values, at + off * D + d, row[(H + KV + kv) * D + d]);
+      }
     }
   }
   // Attention tasks: each stretch of rows of one request (same slot, increasing positions) x KV head.
@@ -1556,9 +1650,7 @@ static void layer_forward(const LayerDesc& L, const StackDims& g, float* x, int6
     thread_local std::vector<float> scratch;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t r = t / KV, kv = t % KV, m0 = runs[r];
-      const int64_t base = (slot[m0] * KV + kv) * g.max_len * D;
-      const float* keys_t = L.kt_cache + (slot[m0] * KV + kv) * key_tiles * kKeyTile * D;
-      attend_rows(qkv, nqkv, pos, m0, runs[r + 1], kv, rep, keys_t, L.v_cache + base, D, g.scale, att, H * D, scratch);
+      attend_rows(L, g, qkv, nqkv, pos, slot[m0], m0, runs[r + 1], kv, rep, att, H * D, scratch);
     }
   });
   linear(L.o, att, H * D, M, y, h);
@@ -1574,25 +1666,34 @@ static void layer_forward(const LayerDesc& L, const StackDims& g, float* x, int6
 }
 
 // decoder_layers(table_ptr, n_layers, x_ptr, M, pos_ptr, slot_ptr, cos_ptr, sin_ptr, n_pos,
-//                hidden, H, KV, D, I, slots, max_len, eps, scale)
+//                hidden, H, KV, D, I, slots, max_len, eps, scale, kv_fmt, block_table_ptr, blocks_per_slot,
+//                num_blocks)
 // table: int64 [n_layers, kLayerFields] (LayerDesc::from); x float32 [M, hidden], updated in place;
-// pos / slot int64 [M]; cos / sin float32 [n_pos, D]. kernels.LayerStack builds and keeps alive every tensor
-// these addresses point to.
+// pos / slot int64 [M]; cos / sin float32 [n_pos, D]; block_table int64 [slots, blocks_per_slot] with entries
+// below num_blocks (the blocks of each layer's keys / values). kernels.LayerStack builds and keeps alive every
+// tensor these addresses point to.
 PyObject* py_decoder_layers(PyObject*, PyObject* args) {
-  long long tp, nl, xp, M, pp, sp, cp, snp, npos, hidden, H, KV, D, I, slots, max_len;
+  long long tp, nl, xp, M, pp, sp, cp, snp, npos, hidden, H, KV, D, I, slots, max_len, btp, bps, nblocks;
   double eps, scale;
-  if (!PyArg_ParseTuple(args, "LLLLLLLLLLLLLLLLdd", &tp, &nl, &xp, &M, &pp, &sp, &cp, &snp, &npos, &hidden, &H,
-                        &KV, &D, &I, &slots, &max_len, &eps, &scale))
+  int kv_fmt;
+  if (!PyArg_ParseTuple(args, "LLLLLLLLLLLLLLLLddiLLL", &tp, &nl, &xp, &M, &pp, &sp, &cp, &snp, &npos, &hidden, &H,
+                        &KV, &D, &I, &slots, &max_len, &eps, &scale, &kv_fmt, &btp, &bps, &nblocks))
     return nullptr;
-  const StackDims g{hidden, H, KV, D, I, slots, max_len, static_cast<float>(eps), static_cast<float>(scale)};
+  const StackDims g{hidden, H, KV, D, I, slots, max_len, static_cast<float>(eps), static_cast<float>(scale),
+                    kv_fmt, ptr<const int64_t>(btp), bps, nblocks};
   const int64_t* pos = ptr<const int64_t>(pp);
   const int64_t* slot = ptr<const int64_t>(sp);
   const char* err = nullptr;
   if (tp == 0 || nl < 0 || xp == 0 || M < 0 || pp == 0 || sp == 0 || cp == 0 || snp == 0 || hidden <= 0 ||
       H <= 0 || KV <= 0 || H % KV != 0 || D <= 0 || D % 2 != 0 || D > 512 || I <= 0 || max_len > npos)
     err = "bad dimensions";
+  if (!err && (kv_fmt < kKvF32 || kv_fmt > kKvBF16 || btp == 0 || bps * kKeyTile < max_len || nblocks <= 0))
+    err = "bad KV cache description";
   for (int64_t m = 0; !err && m < M; ++m)
     if (pos[m] < 0 || pos[m] >= max_len || slot[m] < 0 || slot[m] >= slots) err = "position or slot out of range";
+  for (int64_t m = 0; !err && m < M; ++m)  // every block a row writes or reads
+    for (int64_t p = 0; !err && p <= pos[m]; p += kKeyTile)
+      if (g.block(slot[m], p) < 0 || g.block(slot[m], p) >= nblocks) err = "block table entry out of range";
   std::vector<LayerDesc> layers;
   for (int64_t i = 0; !err && i < nl; ++i) {
     const LayerDesc L = LayerDesc::from(ptr<const int64_t>(tp) + i * kLayerFields);
@@ -1600,7 +1701,7 @@ PyObject* py_decoder_layers(PyObject*, PyObject* args) {
     for (const Lin* l : lins) err = err ? err : check_lin(*l);
     if (!err && (L.qkv.K != hidden || L.qkv.N != (H + 2 * KV) * D || L.o.K != H * D || L.o.N != hidden ||
                  L.gate_up.K != hidden || L.gate_up.N != 2 * I || L.down.K != I || L.down.N != hidden ||
-                 !L.attn_norm || !L.mlp_norm || !L.k_cache || !L.v_cache || !L.kt_cache || (!L.q_norm != !L.k_norm)))
+                 !L.attn_norm || !L.mlp_norm || !L.keys || !L.values || (!L.q_norm != !L.k_norm)))
       err = "layer table does not match the dimensions";
     layers.push_back(L);
   }
@@ -1623,6 +1724,20 @@ PyObject* py_decoder_layers(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// kv_store(kv_fmt, src_ptr, dst_ptr, n): the stack's own narrowing of n floats to a KV format, so that tests can
+// hold it against torch's.
+PyObject* py_kv_store(PyObject*, PyObject* args) {
+  int fmt;
+  long long src, dst, n;
+  if (!PyArg_ParseTuple(args, "iLLL", &fmt, &src, &dst, &n)) return nullptr;
+  if (fmt < kKvF32 || fmt > kKvBF16 || src == 0 || dst == 0 || n < 0) {
+    PyErr_SetString(PyExc_ValueError, "kv_store: bad arguments");
+    return nullptr;
+  }
+  for (int64_t i = 0; i < n; ++i) kv_put(fmt, ptr<void>(dst), i, ptr<const float>(src)[i]);
+  Py_RETURN_NONE;
+}
+
 PyObject* py_isa(PyObject*, PyObject*) {
   return PyUnicode_FromString(SPECDECODE_VNNI ? "avx512-vnni" : SPECDECODE_AVX2 ? "avx2" : "scalar");
 }
@@ -1641,6 +1756,7 @@ PyObject* py_has_avx2(PyObject*, PyObject*) { return PyBool_FromLong(SPECDECODE_
 PyMethodDef kMethods[] = {
     {"linear", py_linear, METH_VARARGS, "Row-invariant linear on raw CPU pointers"},
     {"decoder_layers", py_decoder_layers, METH_VARARGS, "Decoder layers for decode / verification rows"},
+    {"kv_store", py_kv_store, METH_VARARGS, "kv_store(fmt, src, dst, n): floats to a KV cache format"},
     {"has_avx2", py_has_avx2, METH_NOARGS, "True if compiled with AVX2/FMA intrinsics"},
     {"isa", py_isa, METH_NOARGS, "Instruction set of the W8A8 path"},
     {"amx", py_amx, METH_VARARGS, "amx([on]): switch AMX tiles for multi-row W8A8 / W4A8 calls; returns whether in use"},

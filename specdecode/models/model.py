@@ -306,28 +306,30 @@ class CausalLM(nn.Module):
         path does not apply: other families, non-CPU or non-float32 models, or no compiled kernel. Rebuilt
         when the KV cache or the weights are replaced."""
         a, first = self.args, self.layers[0] if len(self.layers) else None
-        if (not self.fused_layers or first is None or not self.stack_family()
-                or self.embed_tokens.weight.dtype != torch.float32
-                or first.attn.k_cache is None or first.attn.kt_cache is None or not kernels.kernel_available()):
+        cache = first.attn.kv_cache if first is not None else None
+        if (not self.fused_layers or cache is None or not self.stack_family()
+                or self.embed_tokens.weight.dtype != torch.float32 or not kernels.kernel_available()):
             return None
         if self._stack is not None and all(d.get(name) is obj for d, name, obj in self._stack[0]):
             return self._stack[1]
         checks, stack = self._stack_checks(), None
         lins = [(L.qkv_proj, L.o_proj, L.gate_up_proj, L.down_proj) for L in self.layers]
         if (all(m is not None and m.packed is not None and m.packed.device.type == "cpu" for ls in lins for m in ls)
-                and all(L.attn.k_cache.dtype == torch.float32 and L.attn.k_cache.is_cpu for L in self.layers)
-                and self.rotary.cos.shape[0] >= first.attn.k_cache.shape[2]
+                and cache.device.type == "cpu" and cache.dtype in kernels.KV_DTYPES
+                and all(L.attn.kv_cache is cache and L.attn.layer_index == i for i, L in enumerate(self.layers))
+                and self.rotary.cos.shape[0] >= cache.max_model_len
                 and all(t.dtype == torch.float32 for L in self.layers for t in (L.attn_norm.weight, L.mlp_norm.weight))):
             stack = kernels.LayerStack(
                 [dict(attn_norm=L.attn_norm.weight, mlp_norm=L.mlp_norm.weight,
                       q_norm=L.q_norm.weight if a.qk_norm else None, k_norm=L.k_norm.weight if a.qk_norm else None,
-                      k_cache=L.attn.k_cache, v_cache=L.attn.v_cache, kt_cache=L.attn.kt_cache,
+                      keys=cache.layer(i)[0], values=cache.layer(i)[1],
                       qkv=(L.qkv_proj.packed, L.qkv_proj.bias), o=(L.o_proj.packed, L.o_proj.bias),
                       gate_up=(L.gate_up_proj.packed, L.gate_up_proj.bias),
-                      down=(L.down_proj.packed, L.down_proj.bias)) for L in self.layers],
+                      down=(L.down_proj.packed, L.down_proj.bias)) for i, L in enumerate(self.layers)],
                 hidden=a.hidden_size, heads=a.num_heads, kv_heads=a.num_kv_heads, head_dim=a.head_dim,
                 intermediate=a.intermediate_size, eps=a.norm_eps, scale=a.head_dim ** -0.5,
-                cos=self.rotary.cos, sin_signed=self.rotary.sin_signed)
+                cos=self.rotary.cos, sin_signed=self.rotary.sin_signed, block_table=cache.block_table,
+                max_len=cache.max_model_len)
         self._stack = (checks, stack)
         return stack
 
@@ -339,7 +341,7 @@ class CausalLM(nn.Module):
         out = []
         for L in self.layers:
             attn, mods = L.attn.__dict__, L._modules
-            out += [(attn, n, attn.get(n)) for n in ("k_cache", "v_cache", "kt_cache")]
+            out += [(attn, n, attn.get(n)) for n in ("kv_cache", "layer_index")]
             for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
                 lin = mods.get(n)
                 out.append((mods, n, lin))

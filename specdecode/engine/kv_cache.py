@@ -1,0 +1,163 @@
+"""The KV cache of one model (target or draft): every layer's keys and values, in one layout and one dtype.
+
+Layout. Positions are grouped in blocks of ``BLOCK_SIZE`` (16). Per layer:
+  * keys   ``[num_blocks, kv_heads, head_dim, BLOCK_SIZE]``: transposed inside the block, so the C++ decode
+    attention (kernels.LayerStack) reads one block of keys as one contiguous [head_dim, 16] tile and scores
+    16 positions per vector operation;
+  * values ``[num_blocks, kv_heads, BLOCK_SIZE, head_dim]``: one contiguous row per position, for the weighted
+    sum.
+``block_table[slot, i]`` names the block that holds positions ``16 i .. 16 i + 15`` of that slot. Every reader
+and writer goes through it: the Python attention (``write`` / ``read``) and the C++ stack (which receives the
+table). Today each slot owns a fixed run of blocks; a paged allocator (free list, shared prefix blocks) only
+has to fill the table differently, and callers, which address the cache by (slot, position), stay the same.
+This is the only copy of the keys: there is no second, differently ordered one.
+
+Dtype. 16-bit on CPU (``"auto"``: float16, whose 10-bit mantissa keeps keys and values closer to fp32 than
+bfloat16's 7 bits; the model's activations and every sum stay fp32, and values are widened exactly on load).
+``"float32"`` keeps full precision (used by the transformers parity tests). On other devices ``"auto"`` is the
+model's dtype. Both the prefill path and decode / verification rows store the same rounding (round to nearest
+even) and read the same stored values, so plain and speculative decoding see one cache format.
+
+Lengths. The cache keeps no lengths. A request's computed length lives in the request and is passed in as the
+start position of its next tokens; rolling back rejected drafts is lowering that number, and the next write
+overwrites the stale positions. Readers only use positions below the length they are given (a block's
+positions past it may be loaded with the block, never used).
+
+Memory. On CPU the storage is an anonymous memory map: pages are zero and take no RAM until written, so the
+resident size grows with the tokens actually held, not with slots x max_model_len.
+"""
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+from specdecode.layers.kernels import KEY_TILE
+
+BLOCK_SIZE = KEY_TILE  # positions per block = the C++ attention's key tile
+
+# vLLM's cache_dtype names plus the usual short forms.
+KV_CACHE_DTYPES = {"auto": None, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+                   "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
+                   "fp32": torch.float32, "float": torch.float32}
+CPU_AUTO_DTYPE = torch.float16
+
+
+def check_kv_cache_dtype(name: object) -> str:
+    """The name itself if known, else a one-line ValueError naming the valid choices."""
+    if name not in KV_CACHE_DTYPES:
+        extra = " (fp8 caches are not implemented)" if isinstance(name, str) and name.startswith("fp8") else ""
+        raise ValueError(f"kv_cache_dtype must be one of auto, float16, bfloat16, float32, got {name!r}{extra}.")
+    return str(name)
+
+
+def resolve_kv_dtype(name: str, device: torch.device | str, model_dtype: torch.dtype) -> torch.dtype:
+    """The storage dtype for kv_cache_dtype ``name``: "auto" is 16-bit on CPU and the model dtype elsewhere."""
+    dtype = KV_CACHE_DTYPES[check_kv_cache_dtype(name)]
+    if dtype is None:
+        return CPU_AUTO_DTYPE if torch.device(device).type == "cpu" else model_dtype
+    return dtype
+
+
+def _lazy_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor whose pages become resident only when written (CPU: anonymous mmap, kept alive by the
+    tensor; elsewhere plain device memory)."""
+    if device.type != "cpu":
+        return torch.zeros(numel, dtype=dtype, device=device)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype)
+
+
+class KVCache:
+    """Keys and values of every layer of one model, for ``num_slots`` sequences of up to ``max_model_len``."""
+
+    def __init__(self, num_layers: int, num_slots: int, max_model_len: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32) and torch.device(device).type == "cpu":
+            raise ValueError(f"KV cache dtype {dtype} is not supported on CPU (float16, bfloat16 or float32).")
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.num_layers, self.num_slots, self.max_model_len = num_layers, num_slots, max_model_len
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.blocks_per_slot = -(-max_model_len // BLOCK_SIZE)
+        self.num_blocks = num_slots * self.blocks_per_slot
+        block = num_kv_heads * head_dim * BLOCK_SIZE
+        # One map for the whole model: [layer, keys | values, block, ...].
+        self._storage = _lazy_zeros(num_layers * 2 * self.num_blocks * block, dtype, self.device)
+        pools = self._storage.view(num_layers, 2, self.num_blocks, num_kv_heads, block // num_kv_heads)
+        self._keys = [pools[i, 0].view(self.num_blocks, num_kv_heads, head_dim, BLOCK_SIZE) for i in range(num_layers)]
+        self._values = [pools[i, 1].view(self.num_blocks, num_kv_heads, BLOCK_SIZE, head_dim)
+                        for i in range(num_layers)]
+        # Slot s owns blocks [s * blocks_per_slot, (s + 1) * blocks_per_slot).
+        self.block_table = torch.arange(self.num_blocks, dtype=torch.int64, device=self.device).view(
+            num_slots, self.blocks_per_slot)
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, num_slots: int, max_model_len: int, kv_cache_dtype: str,
+                  device: torch.device | str) -> "KVCache":
+        """A cache shaped for ``model`` (a models.model.CausalLM)."""
+        a = model.args
+        dtype = resolve_kv_dtype(kv_cache_dtype, device, model.embed_tokens.weight.dtype)
+        return cls(a.num_layers, num_slots, max_model_len, a.num_kv_heads, a.head_dim, dtype, device)
+
+    # ---- sizes ----
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one position takes over all layers (keys and values)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self._storage.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes reserved (address space); on CPU only the written pages are resident."""
+        return self._storage.numel() * self._storage.element_size()
+
+    # ---- storage, for kernels that take raw pointers ----
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's (keys [num_blocks, KV, D, BLOCK_SIZE], values [num_blocks, KV, BLOCK_SIZE, D])."""
+        return self._keys[i], self._values[i]
+
+    # ---- addressing ----
+    def locate(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset in block) of each (slot, position), as index tensors for ``write``."""
+        return self.block_table[slots, positions // BLOCK_SIZE], positions % BLOCK_SIZE
+
+    def _blocks(self, slot: int, end: int) -> tuple[int, torch.Tensor | None]:
+        """(first block, None) when the blocks of positions [0, end) of ``slot`` are consecutive, else (0, the
+        block indices)."""
+        n = -(-end // BLOCK_SIZE)
+        ids = self.block_table[slot, :n]
+        first = slot * self.blocks_per_slot
+        if torch.equal(ids, torch.arange(first, first + n, device=ids.device)):
+            return first, None
+        return 0, ids
+
+    # ---- Python attention path ----
+    def write(self, layer: int, loc: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v ([N, KV, D], any float dtype) at the positions ``loc`` (from ``locate``), rounded to the
+        cache dtype (round to nearest even)."""
+        blocks, offsets = loc
+        keys, values = self._keys[layer], self._values[layer]
+        keys[blocks, :, :, offsets] = k.to(keys.dtype)
+        values[blocks, :, offsets] = v.to(values.dtype)
+
+    def read(self, layer: int, slot: int, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions [0, end) of ``slot`` as (keys, values), each [KV, end, D] in ``dtype`` (a copy: widening a
+        16-bit value to fp32 is exact)."""
+        n = -(-end // BLOCK_SIZE)
+        first, ids = self._blocks(slot, end)
+        keys, values = self._keys[layer], self._values[layer]
+        kb = keys[first:first + n] if ids is None else keys[ids]
+        vb = values[first:first + n] if ids is None else values[ids]
+        KV, D = self.num_kv_heads, self.head_dim
+        k = torch.empty(KV, n, BLOCK_SIZE, D, dtype=dtype, device=self.device)
+        v = torch.empty(KV, n, BLOCK_SIZE, D, dtype=dtype, device=self.device)
+        k.copy_(kb.permute(1, 0, 3, 2))
+        v.copy_(vb.permute(1, 0, 2, 3))
+        return k.view(KV, n * BLOCK_SIZE, D)[:, :end], v.view(KV, n * BLOCK_SIZE, D)[:, :end]
+
+    def __repr__(self) -> str:
+        return (f"KVCache(layers={self.num_layers}, slots={self.num_slots}, max_model_len={self.max_model_len}, "
+                f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
+                f"{self.bytes_per_token} B/token)")
