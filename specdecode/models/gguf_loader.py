@@ -506,11 +506,13 @@ def load_gguf_tokenizer(path: str | os.PathLike, cache: bool | None = None) -> P
     done = folder / "identity.json"
     if done.is_file():
         try:
-            if done.read_text() != ident:
+            marker = json.loads(done.read_text())
+            if marker.get("identity") != ident:
                 raise ValueError("its identity file does not match")
-            tok = _load_saved_tokenizer(folder)
-            tok.name_or_path = str(p)
-            return tok
+            digest = _saved_digest(folder)
+            if digest != marker.get("content"):
+                raise ValueError("its files fail their checksum")
+            return _tokenizer_for(digest, folder, p)
         except Exception as e:  # a damaged folder: rebuild it
             logging.getLogger("specdecode").warning("Cached tokenizer %s is unusable (%s: %s); rebuilding it.",
                                                     folder, type(e).__name__, str(e)[:200])
@@ -519,7 +521,8 @@ def load_gguf_tokenizer(path: str | os.PathLike, cache: bool | None = None) -> P
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
     try:
         tok.save_pretrained(str(tmp))
-        (tmp / "identity.json").write_text(ident)  # written last: marks the folder complete
+        # Written last: marks the folder complete.
+        (tmp / "identity.json").write_text(json.dumps({"identity": ident, "content": _saved_digest(tmp)}))
         try:
             os.rename(tmp, folder)
         except OSError:  # another process got there first (or a stale folder is in the way)
@@ -534,7 +537,37 @@ def load_gguf_tokenizer(path: str | os.PathLike, cache: bool | None = None) -> P
     return tok
 
 
-_TOKENIZER_CACHE_VERSION = 1
+def _saved_digest(folder: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        f = folder / name
+        h.update(name.encode() + b"\0" + (f.read_bytes() if f.is_file() else b"") + b"\0")
+    return h.hexdigest()
+
+
+# Tokenizers loaded in this process, by the digest of their saved files: a target and a draft of one family
+# carry the same tokenizer, and the second one costs a copy instead of another parse.
+_LOADED_TOKENIZERS: dict[str, PreTrainedTokenizerFast] = {}
+
+
+def _tokenizer_for(digest: str, folder: Path, source: Path) -> PreTrainedTokenizerFast:
+    import copy
+
+    first = _LOADED_TOKENIZERS.get(digest)
+    if first is None:
+        tok = _LOADED_TOKENIZERS[digest] = _load_saved_tokenizer(folder)
+        first = tok
+    # Each caller gets its own object (its own special-token maps and settings); the Rust vocabulary, which
+    # nothing mutates, is shared.
+    tok = copy.copy(first)
+    tok.__dict__.update({k: copy.copy(v) for k, v in first.__dict__.items() if isinstance(v, (dict, list, set))})
+    tok.name_or_path = str(source)
+    return tok
+
+
+_TOKENIZER_CACHE_VERSION = 2
 _NOT_INIT_KWARGS = {"added_tokens_decoder", "tokenizer_class", "backend", "is_local", "local_files_only",
                     "name_or_path", "auto_map"}
 
