@@ -12,6 +12,7 @@ import re
 import socket
 import time
 import warnings
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -23,7 +24,7 @@ with warnings.catch_warnings():  # Ray Serve's pydantic models warn about pydant
     warnings.simplefilter("ignore", DeprecationWarning)
     from ray import serve  # noqa: E402
 
-    from specdecode.serving.ray import REPLICA_HEADER, build_app, routing_text  # noqa: E402
+    from specdecode.serving.ray import REPLICA_HEADER, app_builder, build_app, routing_text, serve_from_args  # noqa: E402,E501
 from specdecode.entrypoints.openai.api_server import build_app as build_single_app  # noqa: E402
 from test_server import serve as serve_in_thread  # noqa: E402
 
@@ -98,9 +99,23 @@ class RayApp:
                 ray.shutdown()
 
 
+def _start_ray() -> None:
+    # Ray gives its daemons a fixed 30 s to register; on a machine loaded far beyond its cores that can run out
+    for attempt in range(2):
+        try:
+            ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+            return
+        except Exception:
+            if attempt:
+                raise
+            ray.shutdown()
+            for p in _ray_processes():
+                p.kill()
+
+
 @pytest.fixture(scope="module")
 def ray_app(engine_kwargs, single_url):
-    ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    _start_ray()
     port = _free_port()
     app = RayApp(f"http://127.0.0.1:{port}", port)
     try:
@@ -142,6 +157,33 @@ def _wait_metric(url: str, name: str, want: float, timeout: float = 20.0) -> flo
         time.sleep(0.25)
         got = _metric(url, name)
     return got
+
+
+# ---------------------------------------------------------------- builders and command line (no Ray start)
+def test_builders_check_settings_first(engine_kwargs, monkeypatch, capsys):
+    spec = json.dumps(engine_kwargs["speculative_config"])
+    app = app_builder({"model": engine_kwargs["model"], "num_replicas": "2", "num_cpus": "1",
+                       "speculative_config": spec})  # serve run's key=value strings
+    assert isinstance(app, serve.Application)
+    with pytest.raises(ValueError, match="num_replicas"):
+        app_builder({"model": engine_kwargs["model"], "num_replicas": "0"})
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        build_app({**engine_kwargs, "max_num_seqs": 0})
+    with pytest.raises(ValueError, match="request_router"):
+        build_app(engine_kwargs, request_router="fastest")
+    # specdecode serve --ray: bad settings are one line and exit code 2, before any Ray process starts
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    args = SimpleNamespace(host="127.0.0.1", port=0, api_key=None, served_model_name=None, num_replicas=2)
+    assert serve_from_args(args, {**engine_kwargs, "max_num_seqs": 0}) == 2
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        args.port = busy.getsockname()[1]
+        assert serve_from_args(args, engine_kwargs) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "max_num_seqs" in err[0] and "cannot listen" in err[1]
+    assert all(line.startswith("specdecode serve: error: ") for line in err)
+    assert not ray.is_initialized()
 
 
 # ---------------------------------------------------------------- the same API as one process

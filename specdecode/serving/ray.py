@@ -38,6 +38,7 @@ import math
 import os
 import random
 import signal
+import socket
 import sys
 import threading
 import time
@@ -612,9 +613,11 @@ def app_builder(args: dict) -> "serve.Application":
 
 # ====================================================================== command line
 def serve_from_args(args: Any, engine_kwargs: dict) -> int:
-    """``specdecode serve --ray --num-replicas N``: starts (or joins, with RAY_ADDRESS / --ray-address) a Ray
-    cluster, deploys the app on host:port, and serves until SIGINT/SIGTERM; then removes the app and leaves the
-    cluster. Bad settings print one line (``specdecode serve: error: ...``) and return 2."""
+    """``specdecode serve --ray --num-replicas N``: starts a local Ray instance (or joins the cluster at
+    RAY_ADDRESS / ``args.ray_address``), deploys the app on host:port, and serves until SIGINT/SIGTERM; then removes
+    the app (and stops the local instance). Optional args: ``num_cpus_per_replica`` (default: this machine's
+    cores shared out locally, 1 on a cluster), ``request_router``. Bad settings print one line
+    (``specdecode serve: error: ...``) and return 2."""
     def fail(msg: str) -> int:
         print(f"specdecode serve: error: {msg}", file=sys.stderr)
         return 2
@@ -636,15 +639,24 @@ def serve_from_args(args: Any, engine_kwargs: dict) -> int:
         return fail(str(e).strip().splitlines()[0])
     if not (0 <= port <= 65535):
         return fail(f"--port must be in 0..65535, got {port}.")
+    if address is None:  # Ray's proxy retries a busy port forever: say so now
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((host, port))
+        except OSError as e:
+            return fail(f"cannot listen on {host}:{port}: {e.strerror or e}.")
 
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     started_ray = False
     try:
         if not ray.is_initialized():
-            ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING,
-                     log_to_driver=False)
-            started_ray = True
+            if address is None:  # a local instance of our own
+                ray.init(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+            else:
+                ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+            started_ray = address is None
         serve.start(http_options={"host": host, "port": port})
         try:
             serve.run(app, name="specdecode", route_prefix="/")
@@ -656,8 +668,13 @@ def serve_from_args(args: Any, engine_kwargs: dict) -> int:
             pass
         return 0
     finally:
+        # Our own instance goes away whole; on a shared cluster only this app is removed (Serve, its proxy and
+        # other apps stay).
         with contextlib.suppress(Exception):
-            serve.shutdown()
+            if started_ray:
+                serve.shutdown()
+            else:
+                serve.delete("specdecode")
         if started_ray:
             with contextlib.suppress(Exception):
                 ray.shutdown()
