@@ -312,7 +312,9 @@ MALFORMED = [
     _json(C, {"prompt": "x", "model": "gpt-9"}, 404),
     # fields we do not implement are refused by name, never ignored
     _json(C, {"prompt": "x", "tools": []}),
-    _json(C, {"prompt": "x", "response_format": {"type": "json_object"}}),
+    _json(C, {"prompt": "x", "response_format": {"type": "json_schema",
+                                                 "json_schema": {"name": "s", "schema": {"type": "nonsense"}}}}),
+    _json(C, {"prompt": "x", "guided_regex": "(ab"}),
     _json(C, {"prompt": "x", "frobnicate": True}),
     _json(C, {"prompt": "x", "logit_bias": {"1": 5}}),
     _json(C, {"prompt": "x", "suffix": "y"}),
@@ -338,7 +340,8 @@ MALFORMED = [
     _json(CH, {"messages": MSG, "top_logprobs": 5}),
     _json(CH, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}),
     _json(CH, {"messages": MSG, "tool_choice": "auto"}),
-    _json(CH, {"messages": MSG, "response_format": {"type": "json_object"}}),
+    _json(CH, {"messages": MSG, "response_format": {"type": "yaml"}}),
+    _json(CH, {"messages": MSG, "guided_grammar": 'root ::= "a" | ('}),
     _json(CH, {"messages": MSG, "max_completion_tokens": 0}),
     _json(CH, {"messages": MSG, "seed": -(2 ** 64)}),
     # routes and methods

@@ -265,3 +265,106 @@ def test_sampling_follows_the_masked_target(k1_llm, sharp_target, monkeypatch):
     broken = _second_tokens(k1_llm, params, N_BROKEN, seed0=10 ** 6)
     pval = chi2_pvalue(broken, marg)
     assert pval < ALPHA, f"a sampler that skips the mask went unnoticed (p={pval:.2e})"
+
+
+# ---- the server, through the official openai client ----
+SCHEMAS = [
+    {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "none": {"type": "null"}},
+     "required": ["ok", "none"]},
+    {"type": "object", "properties": {"user": {"type": "object", "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 99}, "admin": {"type": "boolean"}},
+        "required": ["id", "admin"]}}, "required": ["user"]},
+    {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                        "maximum": 9},
+                                             "minItems": 1, "maxItems": 3}}, "required": ["xs"]},
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{2}$"}},
+     "required": ["code"]},
+    {"type": "array", "items": {"type": "object", "properties": {"k": {"enum": ["x", "y"]}}, "required": ["k"]},
+     "minItems": 1, "maxItems": 2},
+    {"enum": ["alpha", "beta", "gamma"]},
+    {"type": "object", "properties": {"v": {"const": "fixed"}, "n": {"type": "integer", "minimum": 1,
+                                                                     "maximum": 5}}, "required": ["v", "n"]},
+    {"type": "object", "properties": {"x": {"anyOf": [{"type": "boolean"}, {"type": "null"}]}}, "required": ["x"]},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["p", "q"]}, "maxItems": 2},
+                                      "meta": {"type": "object", "properties": {"level": {"enum": [1, 2, 3]}},
+                                               "required": ["level"]}}, "required": ["tags", "meta"]},
+]
+
+
+@pytest.fixture(scope="module")
+def servers(one_thread, sharp_target, sharp_draft):
+    import contextlib
+
+    from test_server import serve
+
+    from specdecode.entrypoints.openai.api_server import build_app
+
+    base = {"model": str(sharp_target), "max_model_len": 512, "max_num_seqs": 4}
+    configs = {"none": {}, "ngram": dict(SPEC["ngram"]),
+               "draft_model": {"speculative_model": str(sharp_draft), "num_speculative_tokens": 4}}
+    with contextlib.ExitStack() as stack:
+        yield {name: stack.enter_context(serve(build_app({**base, **kw}, "tiny", None)))
+               for name, kw in configs.items()}
+
+
+def _client(url: str):
+    import openai
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_server_response_format_json_schema(servers):
+    """Every answer parses and validates against its schema; greedy answers are the same with n-gram and
+    draft-model speculation as without."""
+    answers = {}
+    for name, url in servers.items():
+        client = _client(url)
+        for i, schema in enumerate(SCHEMAS):
+            r = client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": f"Give example {i} as JSON."}],
+                temperature=0, max_tokens=300,
+                response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema,
+                                                                        "strict": True}})
+            choice = r.choices[0]
+            assert choice.finish_reason == "stop", (name, i, choice.message.content)
+            jsonschema.validate(json.loads(choice.message.content), schema)
+            answers.setdefault(i, {})[name] = choice.message.content
+    for i, by_spec in answers.items():
+        assert len(set(by_spec.values())) == 1, (i, by_spec)
+
+
+def test_server_vllm_fields_and_errors(servers):
+    import httpx
+
+    url = servers["ngram"]
+    client = _client(url)
+    r = client.completions.create(model="tiny", prompt="pick", max_tokens=10, temperature=0,
+                                  extra_body={"guided_choice": ["left", "right"]})
+    assert r.choices[0].text in ("left", "right")
+    r = client.completions.create(model="tiny", prompt="code", max_tokens=10, temperature=0,
+                                  extra_body={"guided_regex": "[0-9]{3}"})
+    assert re.fullmatch("[0-9]{3}", r.choices[0].text)
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "obj"}], max_tokens=200,
+                                       temperature=0, response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "s"}], max_tokens=20,
+                                       temperature=0, extra_body={"structured_outputs": {"grammar": 'root ::= "ab" [c-d]'}})
+    assert r.choices[0].message.content in ("abc", "abd")
+    # streaming carries the constrained text
+    chunks = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "s"}],
+                                            max_tokens=20, temperature=0, stream=True,
+                                            extra_body={"guided_choice": ["north", "south"]})
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) in ("north", "south")
+    bad = [({"guided_json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}, "json"),
+           ({"guided_regex": "(ab"}, "regex"),
+           ({"guided_grammar": 'root ::= "a" | ('}, "grammar"),
+           ({"guided_choice": ["a"], "guided_regex": "b"}, "one output constraint"),
+           ({"response_format": {"type": "json_schema"}}, "json_schema"),
+           ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend")]
+    for extra, needle in bad:
+        resp = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 4, **extra},
+                          timeout=60)
+        assert resp.status_code == 400, (extra, resp.text)
+        assert needle in resp.json()["error"]["message"], (extra, resp.text)
+    assert httpx.get(f"{url}/health").status_code == 200

@@ -14,6 +14,11 @@ import torch
 
 from specdecode.structured.params import StructuredOutputsParams
 
+# The longest run of whitespace JSON output may have between two elements. JSON allows any amount, and under a
+# mask that leaves little else a model can fall into a loop of newlines; the cap ends such loops while leaving
+# room for pretty-printing a few levels deep.
+MAX_JSON_WHITESPACE = 20
+
 _INFO_CACHE: "OrderedDict[tuple, object]" = OrderedDict()
 _INFO_LOCK = threading.Lock()
 
@@ -69,9 +74,11 @@ class GrammarCompiler:
         c = self._compiler
         try:
             if kind == "json":
-                compiled = c.compile_json_schema(text, any_whitespace=not compact, strict_mode=True)
+                compiled = c.compile_json_schema(text, any_whitespace=not compact, strict_mode=True,
+                                                 max_whitespace_cnt=None if compact else MAX_JSON_WHITESPACE)
             elif kind == "json_object":
-                compiled = c.compile_json_schema('{"type": "object"}', any_whitespace=not compact)
+                compiled = c.compile_json_schema('{"type": "object"}', any_whitespace=not compact,
+                                                 max_whitespace_cnt=None if compact else MAX_JSON_WHITESPACE)
             elif kind == "regex":
                 compiled = c.compile_regex(text)
             elif kind == "choice":

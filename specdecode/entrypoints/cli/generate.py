@@ -21,7 +21,8 @@ def add_parser(sub) -> None:
                        epilog="examples:\n  specdecode generate -p 'Write a haiku about autumn'\n"
                               "  specdecode generate --raw -p 'def fib(n):' -n 64\n"
                               "  specdecode generate -m target.gguf -md draft.gguf -p '...' -n 256\n"
-                              "  specdecode generate -m model_dir --spec-type ngram -f prompt.txt --json")
+                              "  specdecode generate -m model_dir --spec-type ngram -f prompt.txt --json\n"
+                              "  specdecode generate -p 'Extract the person as JSON: ...' --json-schema person.json")
     gi = g.add_argument_group("input and output")
     gi.add_argument("-p", "--prompt", default=None, help=f"the prompt (default: {DEFAULT_PROMPT!r})")
     gi.add_argument("-f", "--file", metavar="PROMPT_FILE", default=None, help="read the prompt from a file ('-' = stdin)")
@@ -33,6 +34,14 @@ def add_parser(sub) -> None:
     gi.add_argument("--echo", action="store_true", help="print the prompt before the generated text (--raw)")
     gi.add_argument("--json", action="store_true",
                     help="print one JSON object (text, token ids, stats) to stdout instead of streaming")
+    gc = g.add_argument_group("structured output (llama.cpp's flags)")
+    gx = gc.add_mutually_exclusive_group()
+    gx.add_argument("-j", "--json-schema", "--json-schema-file", dest="json_schema", metavar="FILE", default=None,
+                    help="constrain the output to JSON valid under the JSON schema in FILE (or given inline, "
+                         "as llama.cpp's -j takes it: '{\"type\": \"object\"}')")
+    gx.add_argument("--grammar", "--grammar-file", dest="grammar", metavar="FILE", default=None,
+                    help="constrain the output to the grammar in FILE (GBNF / EBNF as llama.cpp writes it; "
+                         "inline text with '::=' is taken as the grammar itself)")
     add_engine_flags(g, "generate")
     add_sampling_flags(g, 128)
     g.set_defaults(func=run)
@@ -50,6 +59,29 @@ def _read_prompt(args) -> str:
     return prompt[:-1] if args.file != "-" and prompt.endswith("\n") else prompt
 
 
+def _constraint(args):
+    """StructuredOutputsParams from --json-schema / --grammar, checked (as far as it goes without the
+    tokenizer) before the model loads."""
+    from specdecode.structured import StructuredOutputsParams
+
+    path, kind = (args.json_schema, "json") if args.json_schema else (args.grammar, "grammar")
+    if path is None:
+        return None
+    flag = "--json-schema" if kind == "json" else "--grammar"
+    inline = path.lstrip().startswith("{") if kind == "json" else "::=" in path
+    if inline and not Path(path).expanduser().is_file():
+        text = path
+    else:
+        try:
+            text = Path(path).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise CLIError(f"{flag}: cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        return StructuredOutputsParams(**{kind: text})
+    except ValueError as e:
+        raise CLIError(f"{flag} {path}: {e}") from None
+
+
 def run(args) -> int:
     if args.raw and args.chat:
         raise CLIError("--raw and --chat contradict each other; pass one")
@@ -57,6 +89,9 @@ def run(args) -> int:
     if not prompt.strip() and not args.chat:
         raise CLIError("the prompt is empty")
     params = sampling_params(args)  # validates before the slow model load
+    constraint = _constraint(args)
+    if constraint is not None:
+        params = params.clone(structured_outputs=constraint)
     engine = load_engine(engine_kwargs(args, max_num_seqs=1))
     has_template = bool(getattr(engine.tokenizer, "chat_template", None))
     if args.chat and not has_template:
@@ -69,6 +104,11 @@ def run(args) -> int:
     else:
         text = prompt
     ids = engine.encode_prompt(text)
+    if params.structured_outputs is not None:
+        try:
+            engine.grammar_compiler.compile(params.structured_outputs)
+        except ValueError as e:
+            raise CLIError(f"{'--json-schema' if args.json_schema else '--grammar'}: {e}") from None
     if args.json:
         result = stream(engine, "generate", ids, params, None)
     else:

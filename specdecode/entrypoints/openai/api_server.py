@@ -243,6 +243,18 @@ class OpenAIServer:
     def _token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    async def compile_constraint(self, params: SamplingParams) -> None:
+        """Compile a request's output constraint (JSON schema, regex, grammar) in a worker thread, so that
+        neither the event loop nor the engine thread waits for it; the engine then finds it compiled. A
+        constraint that does not compile is a 400 carrying xgrammar's message."""
+        engine = getattr(self.engine, "engine", None)
+        if params.structured_outputs is None or engine is None:
+            return
+        try:
+            await run_in_threadpool(engine.grammar_compiler.compile, params.structured_outputs)
+        except ValueError as e:
+            raise APIError(400, str(e), code="invalid_value") from None
+
     # ---- running requests ----
     async def start(self, base_id: str, prompts: list[tuple[str | None, list[int] | None]],
                     params: SamplingParams, prompt_param: str) -> list[RequestStream]:
@@ -668,6 +680,7 @@ def build_app(engine_kwargs: dict | None = None, served_model_name: str | list[s
     async def completions(body: CompletionRequest, request: Request):
         model = srv.check_model(body.model)
         params = params_of(body)
+        await srv.compile_constraint(params)
         prompts = _normalise_prompts(body.prompt)
         echoes = [text if text is not None else srv.tokenizer.decode(ids) for text, ids in prompts] \
             if body.echo else [""] * len(prompts)
@@ -688,6 +701,7 @@ def build_app(engine_kwargs: dict | None = None, served_model_name: str | list[s
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         model = srv.check_model(body.model)
         params = params_of(body)
+        await srv.compile_constraint(params)
         prompt = await run_in_threadpool(srv.chat_prompt, body)  # templating is CPU work: off the event loop
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         (stream,) = await srv.start(rid, [(prompt, None)], params, "messages")

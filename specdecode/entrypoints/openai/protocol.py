@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specdecode.sampling_params import SamplingParams, check_text
+from specdecode.structured import StructuredOutputsParams
 
 
 def _check_strings(value: Any, path: str) -> None:
@@ -58,6 +59,32 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    """OpenAI's response_format.json_schema. ``strict`` is accepted either way: output always follows the
+    schema exactly (the grammar masks every token)."""
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+    name: str = Field(max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's ``structured_outputs`` request field: the fields of StructuredOutputsParams."""
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+
 class _SamplingRequest(_Request):
     model: str | None = None
     n: int = Field(1, ge=1, le=64)
@@ -78,6 +105,42 @@ class _SamplingRequest(_Request):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def _constraint(self) -> StructuredOutputsParams | None:
+        """The one output constraint this request asks for, from whichever field it used."""
+        given = []
+        if self.response_format is not None and self.response_format.type != "text":
+            given.append("response_format")
+        if self.structured_outputs is not None:
+            given.append("structured_outputs")
+        given += [f for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                  if getattr(self, f) is not None]
+        if not given:
+            return None
+        if len(given) > 1:
+            raise ValueError(f"Give one output constraint, not several ({', '.join(given)}).")
+        if given[0] == "response_format":
+            rf = self.response_format
+            if rf.type == "json_schema":
+                if rf.json_schema is None:
+                    raise ValueError("response_format.json_schema is required when type is 'json_schema'.")
+                if rf.json_schema.json_schema is not None:
+                    return StructuredOutputsParams(json=rf.json_schema.json_schema)
+            return StructuredOutputsParams(json_object=True)
+        if given[0] == "structured_outputs":
+            so = self.structured_outputs
+            return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                           json_object=so.json_object,
+                                           disable_any_whitespace=so.disable_any_whitespace)
+        kind = given[0].removeprefix("guided_")
+        return StructuredOutputsParams(**{kind: getattr(self, given[0])})
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError (reported as 400) for values SamplingParams rejects."""
@@ -86,7 +149,8 @@ class _SamplingRequest(_Request):
         kw: dict[str, Any] = dict(n=self.n, max_tokens=max_tokens, logprobs=logprobs,
                                   ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
                                   include_stop_str_in_output=self.include_stop_str_in_output, seed=self.seed,
-                                  stop=self.stop, stop_token_ids=self.stop_token_ids)
+                                  stop=self.stop, stop_token_ids=self.stop_token_ids,
+                                  structured_outputs=self._constraint())
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             v = getattr(self, name)
