@@ -53,7 +53,7 @@ def test_dtype_names():
     for name, want in (("fp16", torch.float16), ("float16", torch.float16), ("bfloat16", torch.bfloat16),
                        ("float32", torch.float32)):
         assert resolve_kv_dtype(name, "cpu", torch.float32) == want
-    for bad in ("fp8", "int4", 16, None):
+    for bad in ("fp8", "int4", 16, None, ["float16"]):
         with pytest.raises(ValueError, match="kv_cache_dtype must be one of") as e:
             EngineConfig(kv_cache_dtype=bad)
         assert "\n" not in str(e.value)

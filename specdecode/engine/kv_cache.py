@@ -45,10 +45,10 @@ CPU_AUTO_DTYPE = torch.float16
 
 def check_kv_cache_dtype(name: object) -> str:
     """The name itself if known, else a one-line ValueError naming the valid choices."""
-    if name not in KV_CACHE_DTYPES:
+    if not isinstance(name, str) or name not in KV_CACHE_DTYPES:
         extra = " (fp8 caches are not implemented)" if isinstance(name, str) and name.startswith("fp8") else ""
         raise ValueError(f"kv_cache_dtype must be one of auto, float16, bfloat16, float32, got {name!r}{extra}.")
-    return str(name)
+    return name
 
 
 def resolve_kv_dtype(name: str, device: torch.device | str, model_dtype: torch.dtype) -> torch.dtype:
