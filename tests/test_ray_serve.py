@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import re
 import socket
 import time
