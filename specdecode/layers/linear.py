@@ -76,6 +76,8 @@ class Linear(nn.Module):
                     for b, p in zip(bias, parts)]
         with torch.device("meta"):  # no throwaway allocation: the tensors are assigned below
             out = cls(parts[0].in_features, sum(p.out_features for p in parts), bias=bias[0] is not None)
+        if all(p.weight.is_meta for p in parts):  # a model skeleton (the packed cache's loader): shapes only
+            return out  # (a cat of meta tensors would import torch's compiler stack, seconds of start-up)
         out.weight = nn.Parameter(torch.cat([p.weight.data for p in parts]), requires_grad=False)
         if out.bias is not None:
             out.bias = nn.Parameter(torch.cat([b.data for b in bias]), requires_grad=False)

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 
 def _inv_freq(rot_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    inv = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
+    inv = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64, device="cpu").float() / rot_dim))
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
     if kind in (None, "default"):
         return inv
@@ -31,8 +31,10 @@ def _inv_freq(rot_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
 class Rotary(nn.Module):
     def __init__(self, rot_dim: int, max_pos: int, theta: float, scaling: dict | None):
         super().__init__()
+        # The tables are computed on the CPU even inside a ``torch.device("meta")`` block (the loader builds
+        # models there): they are small, and meta arithmetic would pull in torch's compiler stack at import cost.
         inv = _inv_freq(rot_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv)
+        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32, device="cpu"), inv)
         self.register_buffer("cos", torch.cat([freqs, freqs], dim=-1).cos(), persistent=False)
         # rotate_half(x) * sin == roll(x, half) * [-sin, sin]: the sign lives in the table (exact), so a
         # rotation is one roll and three elementwise ops instead of two slices, a negation and a cat.

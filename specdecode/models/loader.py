@@ -10,6 +10,7 @@ from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
+from torch.utils._device import DeviceContext
 
 from specdecode.layers import kernels
 from specdecode.layers.embedding import DENSE, PackedEmbedding
@@ -209,8 +210,7 @@ def _from_entry(entry: "pc.Entry", path: Path, device: str, max_model_len: int |
         fam = family_of(config)
         args = FAMILIES[fam].make_args(config, fam)
         max_model_len = _check_len(args, max_model_len)
-        with torch.device("meta"):
-            model = CausalLM(args, max_model_len)
+        model = _skeleton(args, max_model_len)
         for layer in model.layers:
             layer.fuse_projections()
         for name, rec in linears.items():
@@ -237,6 +237,31 @@ def _from_entry(entry: "pc.Entry", path: Path, device: str, max_model_len: int |
     return LoadedModel(model, config, path, bool(meta.get("is_gguf")), max_model_len)
 
 
+class _MetaSkeleton(DeviceContext):
+    """``torch.device("meta")`` that also skips random initialisation: initialising meta tensors does nothing,
+    but its meta implementation imports torch's compiler stack (seconds of start-up)."""
+
+    _INITS = {torch.nn.init.normal_, torch.nn.init.uniform_, torch.nn.init.kaiming_uniform_,
+              torch.nn.init.trunc_normal_, torch.nn.init.zeros_, torch.nn.init.ones_}
+
+    def __init__(self):
+        super().__init__("meta")
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self._INITS:
+            t = args[0] if args else kwargs.get("tensor")
+            if isinstance(t, torch.Tensor) and t.is_meta:
+                return t
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _skeleton(args, max_model_len: int) -> CausalLM:
+    """The model with every parameter on the meta device (no memory): the loader assigns the real tensors."""
+    with _MetaSkeleton():
+        return CausalLM(args, max_model_len)
+
+
 def _check_len(args, max_model_len: int | None) -> int:
     if max_model_len is None:
         return min(args.max_position_embeddings, 4096)
@@ -247,9 +272,8 @@ def _check_len(args, max_model_len: int | None) -> int:
 
 
 def _finish_model(model: CausalLM, args, max_model_len: int, dev: torch.device) -> None:
-    if model.rotary is not None:  # buffers were built on the meta device
-        fresh = type(model.rotary)(args.head_dim, max(max_model_len, 1), args.rope_theta, args.rope_scaling)
-        model.rotary = fresh.to(dev)
+    if model.rotary is not None:  # its tables are built on the CPU even in a meta skeleton (layers/rotary.py)
+        model.rotary = model.rotary.to(dev)
     model.eval()
 
 
@@ -275,8 +299,7 @@ def _convert(path: Path, dtype: str, device: str, max_model_len: int | None, qua
     target_dtype = resolve_dtype(dtype, config, device)
     max_model_len = _check_len(args, max_model_len)
     dev = torch.device(device)
-    with torch.device("meta"):
-        model = CausalLM(args, max_model_len)
+    model = _skeleton(args, max_model_len)
     params = dict(model.named_parameters())
     loaded: dict[str, torch.Tensor] = {}
     # Only linear weights take the low-precision dtype on CPU; norms and embeddings stay fp32 there.

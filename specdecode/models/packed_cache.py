@@ -111,12 +111,14 @@ def _file_words_sum(fd: int, offset: int, nbytes: int) -> int:
     """The same sum read with pread: the pages land in the page cache, not in this process's resident set."""
     total, done = 0, 0
     padded = -(-nbytes // 8) * 8
+    buf = torch.empty(min(_READ_CHUNK, padded), dtype=torch.uint8)
+    view = memoryview(buf.numpy())
     while done < padded:
         n = min(_READ_CHUNK, padded - done)
-        buf = os.pread(fd, n, offset + done)
-        if len(buf) != n:
-            raise CorruptEntry(f"the file ends inside tensor data (read {len(buf)} of {n} bytes)")
-        total = (total + int(torch.frombuffer(bytearray(buf), dtype=torch.int64).sum())) & _MASK
+        got = os.preadv(fd, [view[:n]], offset + done)
+        if got != n:
+            raise CorruptEntry(f"the file ends inside tensor data (read {got} of {n} bytes)")
+        total = (total + int(buf[:n].view(torch.int64).sum())) & _MASK
         done += n
     return total
 
