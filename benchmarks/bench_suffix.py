@@ -26,7 +26,7 @@ from pathlib import Path
 from specdecode.bench.datasets import BenchPrompt, Dataset, load_dataset
 from specdecode.bench.runner import BenchConfig, BenchRunner, BenchSettings
 
-SPEC_BENCH = Path(__file__).resolve().parents[1] / ".." / "shared" / "bench" / "spec_bench_questions.jsonl"
+SPEC_BENCH = "../shared/bench/spec_bench_questions.jsonl"  # from the repository's folder
 VOCAB = 32768
 CONFIGS = {
     "best": BenchConfig("best (hybrid k=4 lookup=12)", "hybrid", 4, vocab=VOCAB, lookup_k=12),
