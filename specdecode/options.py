@@ -84,9 +84,9 @@ def _draft_vocab(s: str) -> int | str:
         return "auto"
     if t in ("none", "full", "0"):
         return 0
-    v = _int_in(256)(t) if t.lstrip("-").isdigit() else None
-    if v is None:
-        raise ValueError(f"expected auto, 0 (the full head) or a size >= 256, got {s!r}")
+    v = int(t) if t.lstrip("-").isdigit() else None
+    if v is None or v < 256:
+        raise ValueError(f"must be auto, 0 (the full head) or >= 256, got {s}")
     return v
 
 
@@ -393,7 +393,8 @@ def _list_of(parse: Callable[[str], Any]) -> Callable[[str], list]:
         parts = [p for p in s.replace(" ", "").split(",") if p]
         if not parts:
             raise ValueError(f"expected a comma-separated list, got {s!r}")
-        return list(dict.fromkeys(parse(p) for p in parts))
+        values = set(parse(p) for p in parts)  # one config per distinct value, smallest first
+        return sorted(values, key=lambda v: (isinstance(v, str), 0 if isinstance(v, str) else v))
     parsed.__name__ = "list"
     return parsed
 
