@@ -31,13 +31,17 @@ def eos_ids(tokenizer, hf_config: dict) -> set[int]:
     return ids
 
 
-def apply_chat_template(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+def apply_chat_template(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                        tools: list[dict[str, Any]] | None = None, **template_kwargs: Any) -> str:
+    """The conversation as the model's template renders it. ``tools`` (OpenAI function definitions) and
+    ``template_kwargs`` (e.g. Qwen3's ``enable_thinking``) go to the template, which decides how to show them."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("This model's tokenizer has no chat template; use generate() with a plain prompt "
                          "instead of chat().")
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts.")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         tools=tools or None, **template_kwargs)
 
 
 class IncrementalDetokenizer:

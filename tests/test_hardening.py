@@ -338,7 +338,7 @@ MALFORMED = [
     _json(CH, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
     _raw(CH, '{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400),
     _json(CH, {"messages": MSG, "top_logprobs": 5}),
-    _json(CH, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}),
+    _json(CH, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "not a name"}}]}),
     _json(CH, {"messages": MSG, "tool_choice": "auto"}),
     _json(CH, {"messages": MSG, "response_format": {"type": "yaml"}}),
     _json(CH, {"messages": MSG, "guided_grammar": 'root ::= "a" | ('}),

@@ -46,6 +46,7 @@ from specdecode.entrypoints.openai.protocol import (ChatChoice, ChatCompletionCh
 from specdecode.outputs import CompletionOutput, RequestOutput
 from specdecode.sampling_params import SamplingParams
 from specdecode.speculative.metrics import SpecDecodeStats
+from specdecode.structured.tools import get_tool_parser
 from specdecode.tokenizer import apply_chat_template
 
 logger = logging.getLogger("specdecode.server")
@@ -232,6 +233,8 @@ class OpenAIServer:
         self.tokenizer = engine.tokenizer
         self.accepted_models = set(served_model_names) | ({model_path} if model_path else set())
         self.token_str = functools.lru_cache(maxsize=65536)(self._token_str)
+        # How tool calls are read from output (vLLM's --tool-call-parser); Hermes-style is Qwen2.5's format.
+        self.tool_call_parser = "hermes"
 
     # ---- request checks ----
     def check_model(self, name: str | None) -> str:
@@ -401,7 +404,12 @@ class OpenAIServer:
     def chat_prompt(self, body: ChatCompletionRequest) -> str:
         try:
             messages = [m.as_template_dict() for m in body.messages]
-            return apply_chat_template(self.tokenizer, messages, body.add_generation_prompt)
+            kwargs = dict(body.chat_template_kwargs or {})
+            for reserved in ("messages", "tools", "tokenize", "add_generation_prompt", "conversation"):
+                if reserved in kwargs:
+                    raise ValueError(f"chat_template_kwargs may not set {reserved!r}; use the request field.")
+            return apply_chat_template(self.tokenizer, messages, body.add_generation_prompt, tools=body.tool_dicts(),
+                                       **kwargs)
         except ValueError as e:
             raise APIError(400, str(e), param="messages", code="invalid_value") from None
         except Exception as e:  # jinja errors from a template that rejects the conversation
@@ -412,8 +420,14 @@ class OpenAIServer:
         choices = []
         for c in out.outputs:
             lp = self.chat_logprobs(c, 0, len(c.token_ids), body.top_logprobs or 0) if body.logprobs else None
-            choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text), logprobs=lp,
-                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            content, calls, finish = c.text, None, c.finish_reason
+            if body.tool_mode != "none":
+                content, calls = get_tool_parser(self.tool_call_parser).parse(c.text)
+                calls = calls or None
+                if calls and finish == "stop":
+                    finish = "tool_calls"
+            choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=content, tool_calls=calls),
+                                      logprobs=lp, finish_reason=finish, stop_reason=c.stop_reason))
         resp = ChatCompletionResponse(id=rid, model=model, choices=choices, usage=_usage([out]),
                                       spec_decode=_spec_of([out]))
         return resp.model_dump()
@@ -424,6 +438,9 @@ class OpenAIServer:
         choices = {i: _Choice(i) for i in range(body.n)}
         hold = max((len(s) for s in params.stop), default=1) - 1
         top_n = body.top_logprobs or 0
+        parsers = {i: get_tool_parser(self.tool_call_parser) for i in range(body.n)} \
+            if body.tool_mode != "none" else {}
+        called: set[int] = set()
 
         def chunk(cs: list[ChatStreamChoice], **extra) -> str:
             return _sse(_chunk_dict(ChatCompletionChunk(id=rid, created=created, model=model, choices=cs,
@@ -448,8 +465,19 @@ class OpenAIServer:
                     lp = self.chat_logprobs(c, ch.tokens, ntok, top_n) if body.logprobs else None
                     ch.tokens = ntok
                     ch.done = finished
-                    cs.append(ChatStreamChoice(index=ch.index, delta=DeltaMessage(content=delta or None),
-                                               logprobs=lp, finish_reason=c.finish_reason if finished else None,
+                    calls = None
+                    if c.index in parsers:  # tool calls leave the content and go out as tool_calls deltas
+                        delta, calls = parsers[c.index].stream(delta, finished)
+                        if calls:
+                            called.add(c.index)
+                        elif not delta and not finished and lp is None:
+                            continue  # held back: it may be the start of a call
+                    finish = c.finish_reason if finished else None
+                    if finish == "stop" and c.index in called:
+                        finish = "tool_calls"
+                    cs.append(ChatStreamChoice(index=ch.index,
+                                               delta=DeltaMessage(content=delta or None, tool_calls=calls or None),
+                                               logprobs=lp, finish_reason=finish,
                                                stop_reason=c.stop_reason if finished else None))
                 if final is not None and not body.include_usage:
                     yield chunk(cs, usage=_usage([final]), spec_decode=_spec_of([final]))

@@ -7,6 +7,7 @@ finite (no NaN or Infinity) and text must be valid Unicode (no lone surrogates).
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
@@ -187,10 +188,44 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Request):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatMessage(_Request):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls, shown to the template
+    tool_call_id: str | None = None           # a tool message answers this call
 
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
@@ -204,7 +239,21 @@ class ChatMessage(_Request):
         d: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name:
             d["name"] = self.name
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            # Templates (Qwen2.5's, Llama 3.1's) print the arguments with tojson: they expect an object.
+            d["tool_calls"] = [{"id": c.id, "type": c.type, "function": {"name": c.function.name,
+                                                                         "arguments": _arguments(c.function.arguments)}}
+                               for c in self.tool_calls]
         return d
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -214,6 +263,42 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # passed to the chat template (Qwen3's enable_thinking)
+
+    @property
+    def tool_mode(self) -> str:
+        """"none" (no tools in play), "auto", "required" or "named"."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools for the chat template (none when tool_choice is "none": the model is not to call any)."""
+        if self.tool_mode == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def _constraint(self) -> StructuredOutputsParams | None:
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise ValueError("tool_choice needs tools: give the functions the model may call.")
+        mode = self.tool_mode
+        if mode in ("none", "auto"):
+            return super()._constraint()
+        if super()._constraint() is not None:
+            raise ValueError(f"tool_choice {self.tool_choice if mode == 'required' else 'naming a function'} "
+                             "already constrains the output; drop the other output constraint.")
+        from specdecode.structured.tools import tool_call_constraint
+
+        name = self.tool_choice.function.name if mode == "named" else None
+        if name is not None and name not in {t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice names the function {name!r}, which is not among the tools "
+                             f"({', '.join(t.function.name for t in self.tools)}).")
+        return tool_call_constraint(self.tool_dicts(), name, parallel=self.parallel_tool_calls is not False)
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -280,6 +365,7 @@ class ChatLogprobs(_Response):
 class ChatResponseMessage(_Response):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(_Response):
@@ -303,6 +389,7 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatStreamChoice(_Response):

@@ -1,0 +1,153 @@
+"""Tool calling: the Hermes parser (whole and streamed), tool_choice "required" / named enforced by the grammar,
+and the server's tool_calls through the official openai client."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers_spec import one_thread, sharp_draft, sharp_target  # noqa: F401  (fixtures)
+
+from specdecode.structured.tools import HermesToolParser, get_tool_parser, tool_call_constraint
+
+jsonschema = pytest.importorskip("jsonschema")
+
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+UNITS = {"type": "object", "properties": {"unit": {"enum": ["C", "F"]}}, "required": ["unit"],
+         "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "forecast", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "set_units", "parameters": UNITS}}]
+PARAMS = {"get_weather": WEATHER, "set_units": UNITS}
+TEXT = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "set_units", "arguments": {"unit": "C"}}\n</tool_call>')
+
+
+def test_hermes_parse():
+    content, calls = HermesToolParser().parse(TEXT)
+    assert content == "Let me check."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "days": 2}), ("set_units", {"unit": "C"})]
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    # no call, or a block that is not a call: plain content
+    assert HermesToolParser().parse("hello") == ("hello", [])
+    assert HermesToolParser().parse("<tool_call>nope</tool_call>") == ("<tool_call>nope</tool_call>", [])
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 11, 1000])
+def test_hermes_stream_matches_parse(step):
+    p = HermesToolParser()
+    content, calls = "", []
+    for i in range(0, len(TEXT), step):
+        c, k = p.stream(TEXT[i:i + step], False)
+        assert "<" not in c, "call markup leaked into streamed content"
+        content += c
+        calls += k
+    c, k = p.stream("", True)
+    content, calls = content + c, calls + k
+    assert content.strip() == "Let me check."
+    assert [c["index"] for c in calls] == [0, 1]
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "set_units"]
+
+
+def test_unknown_parser():
+    with pytest.raises(ValueError, match="hermes"):
+        get_tool_parser("nope")
+
+
+@pytest.fixture(scope="module")
+def llm(one_thread, sharp_target, sharp_draft):
+    from specdecode import LLM
+    return LLM(str(sharp_target), speculative_model=str(sharp_draft), num_speculative_tokens=4, max_model_len=512)
+
+
+@pytest.mark.parametrize("name", [None, "set_units", "get_weather"])
+def test_required_and_named_calls_follow_the_parameters(llm, name):
+    from specdecode import SamplingParams
+
+    params = SamplingParams(temperature=0.9, seed=3, max_tokens=200,
+                            structured_outputs=tool_call_constraint(TOOLS, name, parallel=False))
+    out = llm.generate(prompt_token_ids=[[17, 42, 99, 17]], sampling_params=params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop", out.text
+    content, calls = HermesToolParser().parse(out.text)
+    assert content is None and len(calls) == 1
+    fn = calls[0]["function"]
+    assert name is None or fn["name"] == name
+    jsonschema.validate(json.loads(fn["arguments"]), PARAMS[fn["name"]])
+
+
+@pytest.fixture(scope="module")
+def url(one_thread, sharp_target, sharp_draft):
+    from test_server import serve
+
+    from specdecode.entrypoints.openai.api_server import build_app
+
+    kw = {"model": str(sharp_target), "speculative_model": "[ngram]", "num_speculative_tokens": 4,
+          "max_model_len": 512, "max_num_seqs": 4}
+    with serve(build_app(kw, "tiny", None)) as u:
+        yield u
+
+
+def _client(url: str):
+    import openai
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+HISTORY = [{"role": "user", "content": "Weather in Oslo?"},
+           {"role": "assistant", "content": None, "tool_calls": [
+               {"id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 1}'}}]},
+           {"role": "tool", "tool_call_id": "call_1", "content": "rain"},
+           {"role": "user", "content": "And Paris, in Fahrenheit?"}]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "set_units"}}])
+def test_server_tool_calls_validate(url, choice):
+    client = _client(url)
+    for seed in range(3):
+        r = client.chat.completions.create(model="tiny", messages=HISTORY, tools=TOOLS, tool_choice=choice,
+                                           parallel_tool_calls=False,
+                                           temperature=0.8, seed=seed, max_tokens=300)
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls" and ch.message.tool_calls, ch
+        for call in ch.message.tool_calls:
+            if isinstance(choice, dict):
+                assert call.function.name == "set_units"
+            jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+
+
+def test_server_streams_tool_call_deltas(url):
+    client = _client(url)
+    kw = dict(model="tiny", messages=HISTORY, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+              temperature=0, max_tokens=300)
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    calls, finish = {}, None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            assert not (ch.delta.content or "").strip().startswith("<tool_call>")
+            for d in ch.delta.tool_calls or []:
+                calls[d.index] = (d.function.name, d.function.arguments)
+            finish = ch.finish_reason or finish
+    assert finish == "tool_calls"
+    assert [calls[i] for i in sorted(calls)] == [(c.function.name, c.function.arguments) for c in whole]
+
+
+def test_server_tool_errors(url):
+    import httpx
+
+    msgs = [{"role": "user", "content": "hi"}]
+    bad = [({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
+           ({"tool_choice": "required"}, "tools"),
+           ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+           ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "constraint"),
+           ({"chat_template_kwargs": {"tools": []}}, "tools")]
+    for extra, needle in bad:
+        r = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": msgs, "max_tokens": 4,
+                                                            **extra}, timeout=60)
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], (extra, r.text)
+    # tool_choice "none": a plain answer, no calls parsed
+    r = _client(url).chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice="none",
+                                             max_tokens=5, temperature=0)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
+    assert httpx.get(f"{url}/health").status_code == 200
