@@ -64,9 +64,9 @@ class SamplingParams:
             if not _is_real(v):
                 bad(f"{name} must be a finite number, got {v!r}.")
             if (lo is not None and (v < lo or (lo_open and v == lo))) or (hi is not None and v > hi):
-                lo_s = "-inf" if lo is None else f"{lo:g}"
-                hi_s = "inf" if hi is None else f"{hi:g}"
-                bad(f"{name} must be in {'(' if lo_open else '['}{lo_s}, {hi_s}], got {v!r}.")
+                if hi is None:
+                    bad(f"{name} must be {'>' if lo_open else '>='} {lo:g}, got {v!r}.")
+                bad(f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v!r}.")
             return v
 
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
