@@ -174,7 +174,9 @@ def test_dead_url_and_server_errors(url, questions, tmp_path, capsys):
         assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1, (bad, err)
 
 
-def test_ctrl_c_prints_partial_summary(url, questions, tmp_path, capsys):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_prints_partial_summary(url, questions, tmp_path, capsys, sig):
+    """Ctrl+C (and SIGTERM, e.g. from `timeout`) stops the run and still prints and writes what finished."""
     rj = tmp_path / "partial.json"
     args = build_parser().parse_args(["bench-serve", "--base-url", url, "--dataset", str(questions),
                                       "--num-prompts", "40", "--max-concurrency", "1", "--max-tokens", "8",
@@ -184,7 +186,7 @@ def test_ctrl_c_prints_partial_summary(url, questions, tmp_path, capsys):
     def on_record(rec: RequestRecord) -> None:
         done.append(rec)
         if len(done) == 2:
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), sig)
 
     rc = run_from_args(args, on_record=on_record)
     out = capsys.readouterr()

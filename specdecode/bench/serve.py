@@ -28,7 +28,9 @@ import json
 import math
 import os
 import random
+import signal
 import sys
+import threading
 import time
 from collections import Counter, OrderedDict
 from dataclasses import asdict, dataclass, field
@@ -777,9 +779,8 @@ class ServeBenchmark:
                 if not math.isinf(rate):
                     await asyncio.sleep(rng.expovariate(rate))
             await asyncio.gather(*tasks)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, KeyboardInterrupt):  # Ctrl+C cancels; SIGTERM raises where it lands
             run.interrupted = True
-            run.in_flight = sum(1 for t in tasks if not t.done())
             for t in tasks:
                 t.cancel()
             raise
@@ -806,7 +807,9 @@ class ServeBenchmark:
                     prompt = user
                 rec = RequestRecord(item.id, t, len(prompt) if isinstance(prompt, list) else 0)
                 rec.start = time.perf_counter() - run.start
+                run.in_flight += 1  # until it finishes: what a Ctrl+C drops
                 await send_request(client, self.cfg, prompt, rec, self.tokenizer)
+                run.in_flight -= 1
                 run.records.append(rec)
                 if bar is not None:
                     bar.update(1)
@@ -1022,10 +1025,19 @@ def run_from_args(args, on_record: Callable[[RequestRecord], None] | None = None
             "label": args.label, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "command": "specdecode " + " ".join(sys.argv[1:])}
     interrupted = False
+    # SIGTERM (e.g. from `timeout`) stops the run like Ctrl+C, so the partial summary is still printed
+    term = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    if term is not None:
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         asyncio.run(bench.run())
     except KeyboardInterrupt:
         interrupted = True
+        if bench.state.runs:
+            bench.state.runs[-1].interrupted = True
+    finally:
+        if term is not None:
+            signal.signal(signal.SIGTERM, term)
     if bench.state.warmup_error:
         print(f"warning: the warm-up request failed: {bench.state.warmup_error}", file=sys.stderr)
     result = build_result(bench, meta)
