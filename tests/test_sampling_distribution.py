@@ -373,7 +373,8 @@ def test_end_to_end_third_token_with_confidence_stops_and_opened_copies(e2e_llm_
     real_observe = eng.proposer._observe_step
 
     def observe(r, drafted, accepted, looked_up, found, emitted, copied_from):
-        if r.num_output_tokens == 1:  # the step that drafts the 2nd and 3rd tokens
+        if r.num_output_tokens - len(emitted) == 1:  # the step that drafts the 2nd and 3rd tokens (observed
+            # after its tokens are committed)
             kinds.append("lookup" if looked_up else "copy" if copied_from is not None else len(drafted))
         return real_observe(r, drafted, accepted, looked_up, found, emitted, copied_from)
     monkeypatch.setattr(eng.proposer, "_observe_step", observe)
