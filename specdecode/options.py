@@ -363,8 +363,8 @@ def speculative_fields(config: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- command line
-def speculative_config_json(text: str | None) -> dict | None:
-    """``--speculative-config JSON`` -> the dict (None when not given); ValueError for anything but an object."""
+def json_object_arg(text: str | None, flag: str) -> dict | None:
+    """A flag's JSON-object value -> the dict (None when not given); ValueError naming the flag otherwise."""
     import json
 
     if not text:
@@ -372,10 +372,15 @@ def speculative_config_json(text: str | None) -> dict | None:
     try:
         cfg = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"--speculative-config is not valid JSON ({e.msg}): {text!r}") from None
+        raise ValueError(f"{flag} is not valid JSON ({e.msg}): {text!r}") from None
     if not isinstance(cfg, dict):
-        raise ValueError(f"--speculative-config must be a JSON object, got {text!r}.")
+        raise ValueError(f"{flag} must be a JSON object, got {text!r}.")
     return cfg
+
+
+def speculative_config_json(text: str | None) -> dict | None:
+    """``--speculative-config JSON`` -> the dict (None when not given); ValueError for anything but an object."""
+    return json_object_arg(text, "--speculative-config")
 
 
 def _argtype(parse: Callable[[str], Any]) -> Callable[[str], Any]:

@@ -41,6 +41,7 @@ import numpy as np
 
 from specdecode.bench.datasets import (_HUMAN_ROLES, DatasetError, _jsonl_objects, _read_text, _sharegpt_entries,
                                        _turns, read_dataset)
+from specdecode.options import json_object_arg
 
 # A ShareGPT conversation whose user turn is longer than this is skipped: vLLM's ShareGPT sampler drops prompts
 # over 1,024 tokens; characters (about four per token) keep that filter free of a tokenizer.
@@ -950,15 +951,10 @@ def add_arguments(p) -> None:
 
 
 def _extra_body(text: str | None) -> dict:
-    if not text:
-        return {}
     try:
-        v = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise BenchServeError(f"--extra-body is not valid JSON ({e.msg}): {text!r}") from None
-    if not isinstance(v, dict):
-        raise BenchServeError(f"--extra-body must be a JSON object, got {text!r}")
-    return v
+        return json_object_arg(text, "--extra-body") or {}
+    except ValueError as e:
+        raise BenchServeError(str(e)) from None
 
 
 def _load_tokenizer(spec: str):
