@@ -20,6 +20,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from specdecode.structured.tools import tool_parser_names
+
 logger = logging.getLogger("specdecode")
 
 MAX_SPEC_TOKENS = 16
@@ -114,7 +116,8 @@ def _sglang_num_draft_tokens(v: Any) -> Any:
 class Option:
     name: str                       # the keyword / speculative_config key (vLLM's name where it has one)
     help: str
-    scope: str = "engine"           # "engine": an EngineConfig field; "speculative": a SpeculativeConfig field
+    scope: str = "engine"           # "engine": an EngineConfig field; "speculative": a SpeculativeConfig field;
+    #                                 "server": a flag of `serve` only (no Python keyword)
     parse: Callable[[str], Any] = str  # command-line string -> value (Python values go to the config as given)
     default: str = ""               # what an unset option means, for help and docs
     kwargs: tuple[str, ...] = ()    # top-level keywords (vLLM legacy, SGLang); speculative options' first one
@@ -136,6 +139,8 @@ class Option:
     @property
     def keywords(self) -> tuple[str, ...]:
         """Every top-level keyword spelling; speculative options are not top-level under their key alone."""
+        if self.scope == "server":
+            return ()
         return self.kwargs if self.scope == "speculative" else (self.name,) + self.kwargs
 
     @property
@@ -266,6 +271,11 @@ OPTIONS: tuple[Option, ...] = (
            kwargs=("threads",), flags=("--threads", "-t", "--num-threads"), metavar="N"),
     Option("compile", "torch.compile the decode / verification layers where they run in Python (GPU, or model "
            "families without the fused CPU layer stack)", default="off", flags=("--compile",), boolean=True),
+    # ---- server
+    Option("tool_call_parser", "serve: how tool calls are read from the model's output into OpenAI tool_calls, "
+           "and enforced for tool_choice required / named (vLLM's flag): hermes (`<tool_call>{json}</tool_call>`, "
+           "Qwen2.5 / Qwen3 / Hermes); auto: hermes", scope="server", parse=_choice(*tool_parser_names()),
+           choices=tool_parser_names(), default="auto", flags=("--tool-call-parser",), group="server"),
 )
 
 # vLLM options that do not apply to this engine: accepted with a warning so that vLLM code runs unchanged.
@@ -423,6 +433,8 @@ def add_options(parser: argparse.ArgumentParser, command: str, skip: tuple[str, 
     for opt in OPTIONS:
         if opt.name in skip and opt.scope == "engine" or (command == "bench" and not opt.bench):
             continue
+        if opt.scope == "server" and command != "serve":
+            continue
         if f"{opt.scope}.{opt.name}" in skip:
             continue
         g = groups.get(opt.group)
@@ -464,6 +476,8 @@ def kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     for opt, v in flag_values(args).items():
         if opt.scope == "check":
             _check_only(opt, v, opt.name)
+        elif opt.scope == "server":
+            continue  # read by the server itself, not the engine
         elif opt.scope == "engine":
             kw[opt.name] = v
         else:
@@ -511,7 +525,7 @@ def markdown_table() -> str:
         py = ", ".join(f"`{k}`" for k in ((o.name,) if o.scope == "speculative" else ()) + o.keywords + o.keys)
         flags = ", ".join(f"`{f}`" for f in o.flags) + (" (`--no-` to turn off)" if o.boolean else "")
         where = "" if o.bench else " Not in bench."
-        name = f"`{o.name}`" + (" (speculative)" if o.scope == "speculative" else "")
+        name = f"`{o.name}`" + {"speculative": " (speculative)", "server": " (serve only)"}.get(o.scope, "")
         lines.append(f"| {name} | {py} | {flags} | {o.default} | {o.help}.{where} |")
     lines += ["", "vLLM options accepted with a warning, without effect: "
               + ", ".join(f"`{k}` ({v})" for k, v in IGNORED_VLLM.items()) + ".", ""]

@@ -11,6 +11,7 @@ _GREEDY_EPS = 1e-5
 # and the whole distribution into NaN, so such values are rejected here, by name.
 _F32_MAX = 3.4028234663852886e38
 _SEED_MIN, _SEED_MAX = -(2 ** 63), 2 ** 64 - 1  # what torch.Generator.manual_seed accepts
+LOGIT_BIAS_MAX = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
 
 
 def _is_real(x: object) -> bool:
@@ -45,6 +46,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None  # JSON schema / regex / choice / grammar
+    min_tokens: int = 0  # before this many output tokens, EOS, stop_token_ids and stop strings do not end it
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -54,6 +57,7 @@ class SamplingParams:
         if self.top_k in (0, None):
             self.top_k = -1
         self._validate()
+        self.logit_bias = _logit_bias(self.logit_bias)
 
     def _validate(self) -> None:
         def bad(msg: str) -> None:
@@ -98,9 +102,18 @@ class SamplingParams:
             check_text(s, "stop")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be a list of non-negative integers.")
+        if (not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0):
+            bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}.")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             bad("structured_outputs must be a StructuredOutputsParams (from specdecode.sampling_params import "
                 f"StructuredOutputsParams), got {type(self.structured_outputs).__name__}.")
+
+    @property
+    def has_logits_processing(self) -> bool:
+        """Whether anything changes this request's logits before its sampling transform."""
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def greedy(self) -> bool:
@@ -115,3 +128,26 @@ class SamplingParams:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         d.update(changes)
         return SamplingParams(**d)
+
+
+def _logit_bias(bias: object) -> dict[int, float] | None:
+    """logit_bias as {token id: bias}: integer ids (or their decimal strings, JSON's object keys), finite
+    biases within [-100, 100]. Whether each id is in the vocabulary is checked where the vocabulary is known."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"Invalid SamplingParams: logit_bias must be a dict of token id -> bias, got "
+                         f"{type(bias).__name__}.")
+    out: dict[int, float] = {}
+    for k, v in bias.items():
+        key = k
+        if isinstance(k, str) and k.strip().lstrip("+").isdigit():
+            key = int(k)
+        if not isinstance(key, int) or isinstance(key, bool) or key < 0:
+            raise ValueError(f"Invalid SamplingParams: logit_bias keys must be token ids (integers >= 0), "
+                             f"got {k!r}.")
+        if not _is_real(v) or abs(v) > LOGIT_BIAS_MAX:
+            raise ValueError(f"Invalid SamplingParams: logit_bias values must be finite numbers in [-100, 100], "
+                             f"got {v!r} for token {key}.")
+        out[key] = float(v)
+    return out or None

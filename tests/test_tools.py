@@ -56,6 +56,38 @@ def test_unknown_parser():
         get_tool_parser("nope")
 
 
+def test_parser_registry():
+    """--tool-call-parser names a registered class ("auto": hermes); another format is one registered class."""
+    from specdecode.structured import tools
+
+    assert tools.resolve_tool_parser("auto") is HermesToolParser is tools.resolve_tool_parser("Hermes")
+
+    @tools.register_tool_parser("hermes_test_copy")
+    class Copy(HermesToolParser):
+        pass
+
+    try:
+        assert "hermes_test_copy" in tools.tool_parser_names()
+        assert isinstance(get_tool_parser("hermes_test_copy"), Copy)
+        assert Copy.constraint(TOOLS, "set_units").key == tool_call_constraint(TOOLS, "set_units").key
+    finally:
+        del tools.TOOL_PARSERS["hermes_test_copy"]
+
+
+def test_unknown_parser_is_a_one_line_startup_error(capsys):
+    from specdecode.entrypoints.cli import main
+    from specdecode.entrypoints.openai.api_server import build_app
+
+    assert main(["serve", "--tool-call-parser", "nope"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--tool-call-parser" in err[0] and "auto, hermes" in err[0], err
+    with pytest.raises(ValueError, match="Unknown tool call parser 'nope'; valid parsers: auto, hermes"):
+        build_app({"model": "/nonexistent"}, tool_call_parser="nope")  # before any model loads
+    from specdecode.entrypoints.cli import build_parser
+    args = build_parser().parse_args(["serve", "--tool-call-parser", "hermes"])
+    assert getattr(args, "server.tool_call_parser") == "hermes"
+
+
 @pytest.fixture(scope="module")
 def llm(one_thread, sharp_target, sharp_draft):
     from specdecode import LLM

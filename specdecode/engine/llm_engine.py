@@ -10,7 +10,7 @@ from specdecode.config import EngineConfig, SpeculativeConfig, check_draft_compa
 from specdecode.engine.model_runner import ModelRunner
 from specdecode.engine.request import Request, Status
 from specdecode.engine.scheduler import QueueFullError, Scheduler
-from specdecode.layers.sampler import apply_penalties, logits_to_probs, logprobs_of
+from specdecode.layers.sampler import logits_to_probs, logprobs_of, request_logits
 from specdecode.models.loader import load_model
 from specdecode.outputs import RequestOutput
 from specdecode.sampling_params import SamplingParams, check_text
@@ -304,11 +304,10 @@ class LLMEngine:
         V = logits[0].shape[-1]
         out = torch.zeros(len(reqs), kmax + 1, V, device=logits[0].device)
         for i, (r, lg, d) in enumerate(zip(reqs, logits, drafts)):
-            rows = lg[:len(d) + 1]
-            if r.params.has_penalties:
-                hist = r.output_token_ids
-                rows = apply_penalties(rows, [r.params] * len(rows), [hist + d[:j] for j in range(len(rows))])
-            rows = mask_rows(r, rows, d)  # structured outputs: row j masked by the grammar after d[:j]
+            # Row j follows the output and d[:j]: logit_bias, min_tokens and penalties per row, then the grammar's
+            # mask (structured outputs: the grammar state after d[:j]).
+            grammar = (lambda x, r=r, d=d: mask_rows(r, x, d)) if matcher_of(r) is not None else None
+            rows = request_logits(lg[:len(d) + 1], r.params, r.output_token_ids, d, self.eos_token_ids, grammar)
             out[i, :len(rows)] = logits_to_probs(rows, [r.params] * len(rows))
         return out
 
@@ -334,20 +333,23 @@ class LLMEngine:
 
     def _check_stop(self, r: Request, t: int) -> bool:
         p, full = r.params, r.detok.text
-        if p.stop:
-            # Only the tail can contain a new match: the previous text was already checked.
-            lo = max(0, len(r.text) - max(len(s) for s in p.stop))
-            hits = [(full.find(s, lo), s) for s in p.stop if full.find(s, lo) >= 0]
+        # min_tokens (vLLM): until then only the length ends a request; stop strings count after it
+        early = r.num_output_tokens < p.min_tokens
+        if p.stop and r.num_output_tokens > p.min_tokens:
+            # A new match ends in the text this token added: the previous text was already checked (or, before
+            # min_tokens, did not count).
+            found = [(full.find(s, max(0, len(r.text) - len(s) + 1)), s) for s in p.stop]
+            hits = [h for h in found if h[0] >= 0]
             if hits:
                 idx, s = min(hits)
                 r.text = full[:idx + len(s)] if p.include_stop_str_in_output else full[:idx]
                 r.finish_reason, r.stop_reason = "stop", s
                 return True
         r.text = full
-        if not p.ignore_eos and t in self.eos_token_ids:
+        if not early and not p.ignore_eos and t in self.eos_token_ids:
             r.finish_reason = "stop"
             return True
-        if t in p.stop_token_ids:
+        if not early and t in p.stop_token_ids:
             r.finish_reason, r.stop_reason = "stop", t
             return True
         if r.num_output_tokens >= r.max_tokens or len(r.all_token_ids) >= self.max_model_len:

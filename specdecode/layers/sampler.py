@@ -4,6 +4,8 @@ Everything is row-wise, so a row's result never depends on the other rows in the
 """
 from __future__ import annotations
 
+from typing import Callable, Collection, Sequence
+
 import torch
 
 from specdecode.sampling_params import SamplingParams
@@ -28,6 +30,65 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
         row = row - p.frequency_penalty * counts - p.presence_penalty * seen.float()
         logits[i] = row
     return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """One request's rows [N, V] with its logit_bias added to every row (OpenAI: before sampling)."""
+    if not p.logit_bias:
+        return logits
+    V = logits.shape[-1]
+    outside = [t for t in p.logit_bias if t >= V]
+    if outside:
+        raise ValueError(f"logit_bias names token id {outside[0]}, outside the vocabulary (ids 0..{V - 1}).")
+    ids = torch.tensor(list(p.logit_bias), device=logits.device)
+    bias = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=logits.device)
+    logits = logits.float().clone()
+    logits[:, ids] += bias
+    return logits
+
+
+def apply_min_tokens(logits: torch.Tensor, p: SamplingParams, num_output: int,
+                     eos_ids: Collection[int]) -> torch.Tensor:
+    """One request's rows [N, V], row j following num_output + j output tokens: rows before min_tokens cannot
+    end the request, so its stop tokens (stop_token_ids, and EOS unless ignore_eos) get -inf there (vLLM)."""
+    n = min(logits.shape[0], p.min_tokens - num_output)
+    if n <= 0:
+        return logits
+    V = logits.shape[-1]
+    ids = sorted(t for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids)) if 0 <= t < V)
+    if not ids:
+        return logits
+    logits = logits.float().clone()
+    logits[:n, torch.tensor(ids, device=logits.device)] = float("-inf")
+    return logits
+
+
+def request_logits(rows: torch.Tensor, p: SamplingParams, output: list[int], drafts: Sequence[int],
+                   eos_ids: Collection[int],
+                   grammar_mask: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """One request's verification logits [len(drafts) + 1, V] -> the logits its sampling transform takes.
+
+    Row j is the target's distribution after ``output + drafts[:j]``, so everything that depends on the
+    output so far is applied per row with that history: this is what keeps speculation exact (a draft that
+    plain decoding could not produce at its position gets probability 0 and is rejected). vLLM's order:
+    logit_bias, min_tokens, penalties; then the grammar's mask. A grammar outranks min_tokens: where it allows
+    nothing but stopping, the request stops (rather than having no token to sample)."""
+    rows = apply_logit_bias(rows, p)
+    blocked = apply_min_tokens(rows, p, len(output), eos_ids)
+    history = [output + list(drafts[:j]) for j in range(rows.shape[0])] if p.has_penalties else None
+
+    def penalized(x: torch.Tensor) -> torch.Tensor:
+        return apply_penalties(x, [p] * x.shape[0], history) if history is not None else x
+
+    out = penalized(blocked)
+    if grammar_mask is None:
+        return out
+    masked = grammar_mask(out)
+    if blocked is not rows:
+        dead = ~torch.isfinite(masked).any(-1)
+        if bool(dead.any()):
+            masked = torch.where(dead[:, None], grammar_mask(penalized(rows)).float(), masked.float())
+    return masked
 
 
 _ARGMAX_CHUNK = 128

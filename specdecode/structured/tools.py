@@ -1,11 +1,13 @@
-"""Tool calling: the grammar that enforces tool_choice "required" or a named function, and tool-call parsers
-that turn a model's output into OpenAI ``tool_calls`` (pluggable by name, as vLLM's ``--tool-call-parser``)."""
+"""Tool calling: tool-call parsers that turn a model's output into OpenAI ``tool_calls``, each with the grammar
+that enforces tool_choice "required" or a named function in its format. Parsers are chosen by name, as with
+vLLM's ``--tool-call-parser``; another model family's format is one ToolParser subclass registered with
+``@register_tool_parser("name")``."""
 from __future__ import annotations
 
 import json
 import re
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from specdecode.structured.params import StructuredOutputsParams
 
@@ -43,7 +45,10 @@ def _new_call(name: str, arguments: Any) -> dict[str, Any]:
 
 class ToolParser:
     """Finds tool calls in a model's output. ``parse`` takes a whole answer; ``stream`` takes text deltas and
-    holds back what may still be the start of a call, so streamed content never contains call markup."""
+    holds back what may still be the start of a call, so streamed content never contains call markup;
+    ``constraint`` is the grammar of an answer made only of calls in this format."""
+
+    name = ""
 
     def __init__(self):
         self._buf = ""
@@ -57,10 +62,50 @@ class ToolParser:
         """(content to send now, complete calls to send now, each with its ``index``)."""
         raise NotImplementedError
 
+    @classmethod
+    def constraint(cls, tools: list[dict[str, Any]], name: str | None = None,
+                   parallel: bool = True) -> StructuredOutputsParams:
+        """The output constraint for tool_choice "required" (``name`` None) or a named function: only calls, in
+        this parser's format, whose arguments follow the functions' parameter schemas."""
+        raise NotImplementedError
 
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {}
+DEFAULT_TOOL_PARSER = "hermes"  # what "auto" means: the format of Qwen2.5 / Qwen3, the default models' family
+
+
+def register_tool_parser(name: str) -> Callable[[type[ToolParser]], type[ToolParser]]:
+    """Class decorator: makes a ToolParser available under ``name`` (--tool-call-parser NAME)."""
+    def register(cls: type[ToolParser]) -> type[ToolParser]:
+        cls.name = name
+        TOOL_PARSERS[name] = cls
+        return cls
+    return register
+
+
+def tool_parser_names() -> tuple[str, ...]:
+    return ("auto",) + tuple(sorted(TOOL_PARSERS))
+
+
+def resolve_tool_parser(name: str) -> type[ToolParser]:
+    """The parser class for a name ("auto": the default); ValueError naming the valid ones otherwise."""
+    key = str(name).strip().lower()
+    cls = TOOL_PARSERS.get(DEFAULT_TOOL_PARSER if key == "auto" else key)
+    if cls is None:
+        raise ValueError(f"Unknown tool call parser {name!r}; valid parsers: {', '.join(tool_parser_names())}.")
+    return cls
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    """A fresh parser (parsers keep streaming state: one per answer)."""
+    return resolve_tool_parser(name)()
+
+
+@register_tool_parser("hermes")
 class HermesToolParser(ToolParser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes, Qwen2.5, Qwen3)."""
     START, END = "<tool_call>", "</tool_call>"
+    constraint = staticmethod(tool_call_constraint)
     _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
     def _call(self, body: str) -> dict[str, Any] | None:
@@ -118,13 +163,3 @@ class HermesToolParser(ToolParser):
             text = text.strip("\n") if text.strip() == "" else text
         return text, calls
 
-
-TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser}
-
-
-def get_tool_parser(name: str) -> ToolParser:
-    try:
-        return TOOL_PARSERS[name]()
-    except KeyError:
-        raise ValueError(f"Unknown tool call parser {name!r}; available: {', '.join(sorted(TOOL_PARSERS))}.") \
-            from None

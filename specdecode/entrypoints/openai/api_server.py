@@ -46,7 +46,7 @@ from specdecode.entrypoints.openai.protocol import (ChatChoice, ChatCompletionCh
 from specdecode.outputs import CompletionOutput, RequestOutput
 from specdecode.sampling_params import SamplingParams
 from specdecode.speculative.metrics import SpecDecodeStats
-from specdecode.structured.tools import get_tool_parser
+from specdecode.structured.tools import get_tool_parser, resolve_tool_parser
 from specdecode.tokenizer import apply_chat_template
 
 logger = logging.getLogger("specdecode.server")
@@ -224,7 +224,7 @@ class _ClientGone(Exception):
 # ====================================================================== server state
 class OpenAIServer:
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], api_key: str | None,
-                 metrics: ServerMetrics, model_path: str | None = None):
+                 metrics: ServerMetrics, model_path: str | None = None, tool_call_parser: str = "auto"):
         self.engine = engine
         self.names = served_model_names
         self.api_key = api_key
@@ -233,8 +233,8 @@ class OpenAIServer:
         self.tokenizer = engine.tokenizer
         self.accepted_models = set(served_model_names) | ({model_path} if model_path else set())
         self.token_str = functools.lru_cache(maxsize=65536)(self._token_str)
-        # How tool calls are read from output (vLLM's --tool-call-parser); Hermes-style is Qwen2.5's format.
-        self.tool_call_parser = "hermes"
+        # How tool calls are read from output and enforced (vLLM's --tool-call-parser), by registered name.
+        self.tool_call_parser = resolve_tool_parser(tool_call_parser).name
 
     # ---- request checks ----
     def check_model(self, name: str | None) -> str:
@@ -245,6 +245,17 @@ class OpenAIServer:
 
     def _token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def check_vocab(self, params: SamplingParams) -> None:
+        """logit_bias names token ids of this model's vocabulary; otherwise a 400 naming the field."""
+        engine = getattr(self.engine, "engine", None)
+        if not params.logit_bias or engine is None:
+            return
+        vocab = engine.target.vocab_size
+        outside = sorted(t for t in params.logit_bias if t >= vocab)
+        if outside:
+            raise APIError(400, f"logit_bias names token id {outside[0]}, outside this model's vocabulary (ids 0.."
+                                f"{vocab - 1}).", param="logit_bias", code="invalid_value")
 
     async def compile_constraint(self, params: SamplingParams) -> None:
         """Compile a request's output constraint (JSON schema, regex, grammar) in a worker thread, so that
@@ -624,11 +635,12 @@ def _normalise_prompts(prompt: Any) -> list[tuple[str | None, list[int] | None]]
 def build_app(engine_kwargs: dict | None = None, served_model_name: str | list[str] | None = None,
               api_key: str | None = None, *, engine: AsyncLLMEngine | LLMEngine | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout: float = DEFAULT_BODY_TIMEOUT,
-              metrics_require_key: bool = False) -> FastAPI:
+              metrics_require_key: bool = False, tool_call_parser: str = "auto") -> FastAPI:
     """The FastAPI app. Loads the engine now (ValueError for bad settings) unless one is passed in.
 
     ``metrics_require_key``: /metrics is open by default, as in vLLM (scrapers rarely send keys); set it to
     put /metrics behind the API key too."""
+    resolve_tool_parser(tool_call_parser)  # an unknown name fails before the models load
     if engine is None:
         engine = AsyncLLMEngine.from_kwargs(**(engine_kwargs or {}))
     elif isinstance(engine, LLMEngine):
@@ -645,7 +657,7 @@ def build_app(engine_kwargs: dict | None = None, served_model_name: str | list[s
     metrics = ServerMetrics(names[0])
     engine.step_callback = metrics.on_step
     engine.error_callback = metrics.on_engine_error
-    srv = OpenAIServer(engine, names, api_key, metrics, model_path)
+    srv = OpenAIServer(engine, names, api_key, metrics, model_path, tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -698,6 +710,8 @@ def build_app(engine_kwargs: dict | None = None, served_model_name: str | list[s
 
     def params_of(body) -> SamplingParams:
         try:
+            if isinstance(body, ChatCompletionRequest):
+                return body.to_sampling_params(srv.tool_call_parser)
             return body.to_sampling_params()
         except ValueError as e:
             msg = str(e).replace("Invalid SamplingParams: ", "")
@@ -708,6 +722,7 @@ def build_app(engine_kwargs: dict | None = None, served_model_name: str | list[s
     async def completions(body: CompletionRequest, request: Request):
         model = srv.check_model(body.model)
         params = params_of(body)
+        srv.check_vocab(params)
         await srv.compile_constraint(params)
         prompts = _normalise_prompts(body.prompt)
         echoes = [text if text is not None else srv.tokenizer.decode(ids) for text, ids in prompts] \
@@ -729,6 +744,7 @@ def build_app(engine_kwargs: dict | None = None, served_model_name: str | list[s
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         model = srv.check_model(body.model)
         params = params_of(body)
+        srv.check_vocab(params)
         await srv.compile_constraint(params)
         prompt = await run_in_threadpool(srv.chat_prompt, body)  # templating is CPU work: off the event loop
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -797,7 +813,8 @@ def run_server(args: argparse.Namespace, model: str | None) -> None:
         app = build_app(kw, getattr(args, "served_model_name", None), api_key,
                         max_body_bytes=getattr(args, "max_request_body_bytes", None) or DEFAULT_MAX_BODY_BYTES,
                         body_timeout=getattr(args, "request_body_timeout", None) or DEFAULT_BODY_TIMEOUT,
-                        metrics_require_key=bool(getattr(args, "metrics_require_key", False)))
+                        metrics_require_key=bool(getattr(args, "metrics_require_key", False)),
+                        tool_call_parser=getattr(args, "server.tool_call_parser", None) or "auto")
     except (ValueError, OSError, FileNotFoundError) as e:
         _fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
     except KeyboardInterrupt:

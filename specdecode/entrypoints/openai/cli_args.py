@@ -46,7 +46,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="Join this Ray cluster (default: $RAY_ADDRESS, else a local one).")
     r.add_argument("--num-cpus-per-replica", type=int, default=None, metavar="N",
                    help="CPUs Ray reserves per replica, also its engine's thread count unless --threads is given.")
-    groups: dict[str, Any] = {}
+    groups: dict[str, Any] = {"server": g}  # the table's serve-only options join the server flags
     options.add_options(parser, "serve", skip=("model",), groups=groups)
     groups["speculative"].add_argument(
         "--speculative-config", default=None, metavar="JSON",

@@ -102,7 +102,8 @@ class _SamplingRequest(_Request):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI: token id (a string key) -> bias in [-100, 100]
+    min_tokens: int = Field(0, ge=0)  # vLLM: EOS, stop_token_ids and stop strings count only after this many
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -114,7 +115,7 @@ class _SamplingRequest(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
-    def _constraint(self) -> StructuredOutputsParams | None:
+    def _constraint(self, tool_parser: str = "auto") -> StructuredOutputsParams | None:
         """The one output constraint this request asks for, from whichever field it used."""
         given = []
         if self.response_format is not None and self.response_format.type != "text":
@@ -143,15 +144,14 @@ class _SamplingRequest(_Request):
         kind = given[0].removeprefix("guided_")
         return StructuredOutputsParams(**{kind: getattr(self, given[0])})
 
-    def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling(self, max_tokens: int | None, logprobs: int | None, tool_parser: str = "auto") -> SamplingParams:
         """Raises ValueError (reported as 400) for values SamplingParams rejects."""
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported.")
-        kw: dict[str, Any] = dict(n=self.n, max_tokens=max_tokens, logprobs=logprobs,
+        kw: dict[str, Any] = dict(n=self.n, max_tokens=max_tokens, logprobs=logprobs, min_tokens=self.min_tokens,
+                                  logit_bias=self.logit_bias or None,
                                   ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
                                   include_stop_str_in_output=self.include_stop_str_in_output, seed=self.seed,
                                   stop=self.stop, stop_token_ids=self.stop_token_ids,
-                                  structured_outputs=self._constraint())
+                                  structured_outputs=self._constraint(tool_parser))
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             v = getattr(self, name)
@@ -283,7 +283,7 @@ class ChatCompletionRequest(_SamplingRequest):
             return None
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
-    def _constraint(self) -> StructuredOutputsParams | None:
+    def _constraint(self, tool_parser: str = "auto") -> StructuredOutputsParams | None:
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
             raise ValueError("tool_choice needs tools: give the functions the model may call.")
         mode = self.tool_mode
@@ -292,19 +292,21 @@ class ChatCompletionRequest(_SamplingRequest):
         if super()._constraint() is not None:
             raise ValueError(f"tool_choice {self.tool_choice if mode == 'required' else 'naming a function'} "
                              "already constrains the output; drop the other output constraint.")
-        from specdecode.structured.tools import tool_call_constraint
+        from specdecode.structured.tools import resolve_tool_parser
 
         name = self.tool_choice.function.name if mode == "named" else None
         if name is not None and name not in {t.function.name for t in self.tools}:
             raise ValueError(f"tool_choice names the function {name!r}, which is not among the tools "
                              f"({', '.join(t.function.name for t in self.tools)}).")
-        return tool_call_constraint(self.tool_dicts(), name, parallel=self.parallel_tool_calls is not False)
+        return resolve_tool_parser(tool_parser).constraint(self.tool_dicts(), name,
+                                                           parallel=self.parallel_tool_calls is not False)
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, tool_parser: str = "auto") -> SamplingParams:
+        """``tool_parser``: the server's --tool-call-parser, whose format tool_choice required / named enforces."""
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true.")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, tool_parser)
 
 
 # ---------------------------------------------------------------- responses
