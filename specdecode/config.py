@@ -281,6 +281,9 @@ class EngineConfig:
     num_threads: int | None = None
     max_waiting_requests: int = 256
     compile: bool = False  # torch.compile the decode / verification layers where they run in Python
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int | None = None  # None: engine.llm_engine.DEFAULT_BATCHED_TOKENS
+    kv_cache_memory: float | None = None  # GiB; None: room for max_num_seqs x max_model_len
     kv_cache_dtype: str = "auto"  # vLLM's name: "auto" (16-bit on CPU, the model dtype elsewhere), float16, bfloat16, float32
     speculative: SpeculativeConfig | None = None
 
@@ -298,6 +301,15 @@ class EngineConfig:
             raise ValueError(f"num_threads must be an integer >= 1, got {self.num_threads!r}.")
         if not _is_int(self.max_waiting_requests) or self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be an integer >= 1, got {self.max_waiting_requests!r}.")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}.")
+        if self.max_num_batched_tokens is not None and (not _is_int(self.max_num_batched_tokens)
+                                                        or self.max_num_batched_tokens < 16):
+            raise ValueError(f"max_num_batched_tokens must be an integer >= 16, got {self.max_num_batched_tokens!r}.")
+        if self.kv_cache_memory is not None and (isinstance(self.kv_cache_memory, bool)
+                                                 or not isinstance(self.kv_cache_memory, (int, float))
+                                                 or not 0 < self.kv_cache_memory < float("inf")):
+            raise ValueError(f"kv_cache_memory must be a positive number of GiB, got {self.kv_cache_memory!r}.")
         from specdecode.engine.kv_cache import check_kv_cache_dtype
         check_kv_cache_dtype(self.kv_cache_dtype)
         if not isinstance(self.compile, bool):

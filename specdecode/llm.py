@@ -27,8 +27,17 @@ class LLM:
         self.engine = LLMEngine(self.config)
         self._next_id = 0
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine (vLLM's attribute name)."""
+        return self.engine
+
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (vLLM's method); False while requests are running."""
+        return self.engine.reset_prefix_cache()
 
     @property
     def spec_decode_metrics(self) -> SpecDecodeStats:

@@ -261,6 +261,18 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_num_seqs", "requests running at once (KV cache slots)", parse=_int_in(1),
            default="8 (1 for generate and chat)", kwargs=("max_running_requests",),
            flags=("--max-num-seqs", "--max-running-requests", "-np", "--parallel"), metavar="N", bench=False),
+    Option("enable_prefix_caching", "reuse the KV blocks of prompt prefixes computed before, across requests "
+           "(automatic prefix caching)", default="on", flags=("--enable-prefix-caching",), boolean=True,
+           bench=False),
+    Option("max_num_batched_tokens", "tokens one engine step computes: the running requests' verification rows, "
+           "then chunks of new prompts up to this budget (chunked prefill)", parse=_int_in(16),
+           default="512", kwargs=("chunked_prefill_size",),
+           flags=("--max-num-batched-tokens", "--chunked-prefill-size", "-b", "--batch-size"), metavar="N",
+           bench=False),
+    Option("kv_cache_memory", "KV cache budget in GiB, target and draft together (blocks are taken as tokens "
+           "arrive; cached prefixes fill what is free)", parse=_float_in(0.001, 1e6),
+           default="enough for max_num_seqs x max_model_len", flags=("--kv-cache-memory",), metavar="GiB",
+           bench=False),
     Option("max_waiting_requests", "waiting-queue limit; beyond it requests are refused (HTTP 503)",
            parse=_int_in(1), default="256", flags=("--max-waiting-requests",), metavar="N", bench=False),
     Option("seed", "random seed", parse=int, default="0", kwargs=("random_seed",),
@@ -281,7 +293,7 @@ OPTIONS: tuple[Option, ...] = (
 # vLLM options that do not apply to this engine: accepted with a warning so that vLLM code runs unchanged.
 IGNORED_VLLM = {
     "tensor_parallel_size": "this engine runs on one device",
-    "gpu_memory_utilization": "the KV cache is sized by max_num_seqs x max_model_len",
+    "gpu_memory_utilization": "the KV cache is sized by kv_cache_memory (GiB)",
     "enforce_eager": "nothing is captured as CUDA graphs; see compile",
     "trust_remote_code": "no remote code is ever run: models use the built-in implementations",
 }

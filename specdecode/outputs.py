@@ -22,6 +22,7 @@ class RequestMetrics:
     arrival_time: float
     first_token_time: float | None = None
     finished_time: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
 
 

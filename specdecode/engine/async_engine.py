@@ -354,7 +354,8 @@ class AsyncLLMEngine:
                 firsts = [ch.metrics.first_token_time for ch in children if ch.metrics.first_token_time]
                 ends = [ch.metrics.finished_time for ch in children if ch.metrics.finished_time]
                 m = RequestMetrics(m.arrival_time, min(firsts) if firsts else None,
-                                   max(ends) if out.finished and ends else None, spec)
+                                   max(ends) if out.finished and ends else None,
+                                   min(ch.metrics.num_cached_tokens for ch in children), spec_decode=spec)
             else:
                 s = m.spec_decode
                 m = dataclasses.replace(m, spec_decode=SpecDecodeStats(s.num_drafts, s.num_draft_tokens,

@@ -8,8 +8,9 @@ Layout. Positions are grouped in blocks of ``BLOCK_SIZE`` (16). Per layer:
     sum.
 ``block_table[slot, i]`` names the block that holds positions ``16 i .. 16 i + 15`` of that slot. Every reader
 and writer goes through it: the Python attention (``write`` / ``read``) and the C++ stack (which receives the
-table). Today each slot owns a fixed run of blocks; a paged allocator (free list, shared prefix blocks) only
-has to fill the table differently, and callers, which address the cache by (slot, position), stay the same.
+table). The table and the blocks' lifetimes belong to a ``BlockPool`` (engine/block_pool.py: allocation on
+demand, reference counts, shared prefix blocks); the target's and the draft's caches share one pool. Callers
+address the cache by (slot, position) and call ``ensure`` before writing new positions.
 This is the only copy of the keys: there is no second, differently ordered one.
 
 Dtype. 16-bit on CPU (``"auto"``: float16, whose 10-bit mantissa keeps keys and values closer to fp32 than
@@ -23,8 +24,9 @@ start position of its next tokens; rolling back rejected drafts is lowering that
 overwrites the stale positions. Readers only use positions below the length they are given (a block's
 positions past it may be loaded with the block, never used).
 
-Memory. On CPU the storage is an anonymous memory map: pages are zero and take no RAM until written, so the
-resident size grows with the tokens actually held, not with slots x max_model_len.
+Memory. The pool has as many blocks as the KV budget allows (``kv_cache_memory``; by default every slot can
+hold max_model_len). On CPU the storage is an anonymous memory map: pages are zero and take no RAM until
+written, so the resident size grows with the blocks actually used.
 """
 from __future__ import annotations
 
@@ -32,9 +34,10 @@ import mmap
 
 import torch
 
+from specdecode.engine.block_pool import BLOCK_SIZE, BlockPool
 from specdecode.layers.kernels import KEY_TILE
 
-BLOCK_SIZE = KEY_TILE  # positions per block = the C++ attention's key tile
+assert BLOCK_SIZE == KEY_TILE, "a block must be the C++ attention's key tile"
 
 # vLLM's cache_dtype names plus the usual short forms.
 KV_CACHE_DTYPES = {"auto": None, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -71,10 +74,11 @@ def _lazy_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.T
 
 
 class KVCache:
-    """Keys and values of every layer of one model, for ``num_slots`` sequences of up to ``max_model_len``."""
+    """Keys and values of every layer of one model, for ``num_slots`` sequences of up to ``max_model_len``, in
+    the blocks of ``pool`` (a pool of its own, one max-length sequence per slot, when not given)."""
 
     def __init__(self, num_layers: int, num_slots: int, max_model_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, pool: BlockPool | None = None):
         if dtype not in (torch.float16, torch.bfloat16, torch.float32) and torch.device(device).type == "cpu":
             raise ValueError(f"KV cache dtype {dtype} is not supported on CPU (float16, bfloat16 or float32).")
         self.device = torch.device(device)
@@ -82,7 +86,12 @@ class KVCache:
         self.num_layers, self.num_slots, self.max_model_len = num_layers, num_slots, max_model_len
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.blocks_per_slot = -(-max_model_len // BLOCK_SIZE)
-        self.num_blocks = num_slots * self.blocks_per_slot
+        if pool is None:
+            pool = BlockPool(num_slots * self.blocks_per_slot, num_slots, self.blocks_per_slot, self.device)
+        if pool.num_slots != num_slots or pool.blocks_per_slot != self.blocks_per_slot:
+            raise ValueError("KVCache: the block pool's slots and blocks per slot must match the cache's")
+        self.pool = pool
+        self.num_blocks = pool.num_blocks
         block = num_kv_heads * head_dim * BLOCK_SIZE
         # One map for the whole model: [layer, keys | values, block, ...].
         self._storage = _lazy_zeros(num_layers * 2 * self.num_blocks * block, dtype, self.device)
@@ -90,17 +99,26 @@ class KVCache:
         self._keys = [pools[i, 0].view(self.num_blocks, num_kv_heads, head_dim, BLOCK_SIZE) for i in range(num_layers)]
         self._values = [pools[i, 1].view(self.num_blocks, num_kv_heads, BLOCK_SIZE, head_dim)
                         for i in range(num_layers)]
-        # Slot s owns blocks [s * blocks_per_slot, (s + 1) * blocks_per_slot).
-        self.block_table = torch.arange(self.num_blocks, dtype=torch.int64, device=self.device).view(
-            num_slots, self.blocks_per_slot)
+        self.block_table = pool.block_table
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, num_slots: int, max_model_len: int, kv_cache_dtype: str,
-                  device: torch.device | str) -> "KVCache":
+                  device: torch.device | str, pool: BlockPool | None = None) -> "KVCache":
         """A cache shaped for ``model`` (a models.model.CausalLM)."""
         a = model.args
         dtype = resolve_kv_dtype(kv_cache_dtype, device, model.embed_tokens.weight.dtype)
-        return cls(a.num_layers, num_slots, max_model_len, a.num_kv_heads, a.head_dim, dtype, device)
+        return cls(a.num_layers, num_slots, max_model_len, a.num_kv_heads, a.head_dim, dtype, device, pool)
+
+    @staticmethod
+    def block_bytes(model: torch.nn.Module, kv_cache_dtype: str, device: torch.device | str) -> int:
+        """Bytes one block of ``model``'s cache takes over all layers (keys and values)."""
+        a = model.args
+        dtype = resolve_kv_dtype(kv_cache_dtype, device, model.embed_tokens.weight.dtype)
+        return 2 * a.num_layers * a.num_kv_heads * a.head_dim * BLOCK_SIZE * torch.empty((), dtype=dtype).element_size()
+
+    def ensure(self, slot: int, num_tokens: int) -> None:
+        """Blocks for positions [0, num_tokens) of ``slot`` (BlockPool.ensure)."""
+        self.pool.ensure(slot, num_tokens)
 
     # ---- sizes ----
     @property
@@ -127,11 +145,12 @@ class KVCache:
         """(first block, None) when the blocks of positions [0, end) of ``slot`` are consecutive, else (0, the
         block indices)."""
         n = -(-end // BLOCK_SIZE)
-        ids = self.block_table[slot, :n]
-        first = slot * self.blocks_per_slot
-        if torch.equal(ids, torch.arange(first, first + n, device=ids.device)):
-            return first, None
-        return 0, ids
+        held = self.pool._slot_blocks[slot][:n]
+        if len(held) < n:
+            raise RuntimeError(f"KVCache.read: slot {slot} holds {len(held) * BLOCK_SIZE} positions, {end} asked")
+        if held[-1] - held[0] == n - 1 and held == list(range(held[0], held[0] + n)):
+            return held[0], None
+        return 0, self.block_table[slot, :n]
 
     # ---- Python attention path ----
     def write(self, layer: int, loc: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor) -> None:

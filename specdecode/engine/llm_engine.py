@@ -1,4 +1,5 @@
-"""The engine step loop: admit and prefill, propose, verify in one target pass, rejection-sample, commit."""
+"""The engine step loop: admit; decode the running requests (propose, verify in one target pass,
+rejection-sample, commit, observe); prefill new prompts in chunks under the step's token budget."""
 from __future__ import annotations
 
 import functools
@@ -7,6 +8,8 @@ import time
 import torch
 
 from specdecode.config import EngineConfig, SpeculativeConfig, check_draft_compatible
+from specdecode.engine.block_pool import BLOCK_SIZE, BlockPool
+from specdecode.engine.kv_cache import KVCache
 from specdecode.engine.model_runner import ModelRunner
 from specdecode.engine.request import Request, Status
 from specdecode.engine.scheduler import QueueFullError, Scheduler
@@ -25,6 +28,11 @@ logger = logging.getLogger("specdecode")
 
 __all__ = ["LLMEngine", "QueueFullError"]
 
+# Prompt tokens one step may prefill (with the running requests' verification rows) unless
+# max_num_batched_tokens says otherwise: chunks this size keep streams moving during a long prefill while
+# each chunk still amortises one read of the weights over many tokens.
+DEFAULT_BATCHED_TOKENS = 512
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
@@ -39,13 +47,13 @@ class LLMEngine:
         target = load_model(target_path, c.dtype, c.device, c.max_model_len, c.quantization)
         self.max_model_len = target.max_model_len
         self.tokenizer = load_tokenizer(target_path, target.is_gguf)
-        self.target = ModelRunner(target, c.max_num_seqs, self.max_model_len, c.device, c.kv_cache_dtype)
         self.eos_token_ids = eos_ids(self.tokenizer, target.hf_config)
         self.model_path = target_path
         self.proposer: Proposer | None = None
         self.draft_runner: ModelRunner | None = None  # the draft model's, when a speculative method uses one
         self.draft_path = None
         spec = c.speculative
+        draft = None
         if uses_draft_model(spec):
             draft_path = resolve_model(None if spec.model == "default" else spec.model, "draft")
             draft = load_model(draft_path, c.dtype, c.device, self.max_model_len, c.draft_quantization())
@@ -53,13 +61,19 @@ class LLMEngine:
                                    target.model.param_count(), draft.model.param_count(),
                                    target.model.args.vocab_size, draft.model.args.vocab_size)
             self.draft_path = draft_path
-            self.draft_runner = ModelRunner(draft, c.max_num_seqs, self.max_model_len, c.device, c.kv_cache_dtype)
+        # One pool of KV blocks for the target's cache and the draft's, sized by the KV memory budget.
+        self.pool = self._block_pool([m.model for m in (target, draft) if m is not None])
+        self.target = ModelRunner(target, c.max_num_seqs, self.max_model_len, c.device, c.kv_cache_dtype, self.pool)
+        if draft is not None:
+            self.draft_runner = ModelRunner(draft, c.max_num_seqs, self.max_model_len, c.device, c.kv_cache_dtype,
+                                            self.pool)
         if c.compile:
             for runner in (self.target, self.draft_runner):
                 if runner is not None:
                     runner.model.compile_decode()
         self.load_time = time.perf_counter() - t0
-        self.scheduler = Scheduler(c.max_num_seqs, c.max_waiting_requests)
+        self.scheduler = Scheduler(c.max_num_seqs, c.max_waiting_requests, self.pool)
+        self.max_num_batched_tokens = c.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS
         self.spec_stats = SpecDecodeStats()
         self._proposers: dict[str, Proposer | None] = {}  # by config: switching back resumes what it learned
         self._shared: dict = {}  # what proposers over the one draft model share (truncated heads)
@@ -68,6 +82,23 @@ class LLMEngine:
         self._counter = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+
+    def _block_pool(self, models: list) -> BlockPool:
+        """The KV blocks: kv_cache_memory GiB of them (target and draft together), or by default enough for
+        every slot to hold max_model_len positions. Too small for one max_model_len sequence is an error."""
+        c = self.config
+        per_block = sum(KVCache.block_bytes(m, c.kv_cache_dtype, c.device) for m in models)
+        per_seq = -(-self.max_model_len // BLOCK_SIZE)
+        if c.kv_cache_memory is None:
+            num_blocks = c.max_num_seqs * per_seq
+        else:
+            num_blocks = int(c.kv_cache_memory * 2 ** 30 // per_block)
+            if num_blocks < per_seq:
+                need = per_seq * per_block / 2 ** 30
+                raise ValueError(f"kv_cache_memory={c.kv_cache_memory} GiB cannot hold one sequence of "
+                                 f"max_model_len={self.max_model_len} tokens ({need:.2f} GiB for these models); "
+                                 "raise kv_cache_memory or lower max_model_len.")
+        return BlockPool(num_blocks, c.max_num_seqs, per_seq, c.device, c.enable_prefix_caching)
 
     def set_speculative(self, spec: SpeculativeConfig | dict | None) -> None:
         """Switch speculative decoding on this loaded engine, between requests: a SpeculativeConfig (or a
@@ -105,7 +136,10 @@ class LLMEngine:
                     "draft_quantization": c.draft_quantization(), "dtype": c.dtype, "device": str(self.target.device),
                     "kv_cache_dtype": getattr(c, "kv_cache_dtype", None), "threads": torch.get_num_threads(),
                     "kernel": kernels.describe() if self.target.device.type == "cpu" else torch.__version__}
-        return self.proposer.calibrate(self.target, self.max_model_len, identity, refresh)
+        try:
+            return self.proposer.calibrate(self.target, self.max_model_len, identity, refresh)
+        finally:
+            self.pool.free(0)  # the scratch blocks
 
     @functools.cached_property
     def max_prompt_chars(self) -> int:
@@ -173,6 +207,13 @@ class LLMEngine:
         self._parents[request_id] = children
         self.num_prompt_tokens += len(ids) * params.n
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix; False (and nothing done) while requests are running."""
+        if self.scheduler.has_unfinished():
+            return False
+        self.pool.reset_prefix_cache()
+        return True
+
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
 
@@ -181,22 +222,95 @@ class LLMEngine:
 
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
+        """Decode every running request by one verification pass, then prefill waiting prompts with what is
+        left of the step's token budget (max_num_batched_tokens), so running streams keep going while a long
+        prompt is prefilled chunk by chunk."""
         touched: dict[str, None] = {}
         for r in self.scheduler.take_aborted(lambda r: r.request_id):
             r.metrics.finished_time = time.time()
             touched[r.request_id] = None
-        new = self.scheduler.admit()
-        for r in new:
-            self._isolated(lambda rs: self._prefill(rs[0]), [r])
-            touched[r.request_id] = None
-        decode = [r for r in self.scheduler.running if r not in new and not r.finished]
+        self.scheduler.admit()
+        rows = self._rows = 0
+        decode = self._make_room([r for r in self.scheduler.running if not r.prefilling and not r.finished])
         if decode:
             self._isolated(self._decode, decode)
-            for r in decode:
-                touched[r.request_id] = None
+            rows = self._rows
+            touched.update((r.request_id, None) for r in decode)
+        budget = self.max_num_batched_tokens - rows
+        for r in [r for r in self.scheduler.running if r.prefilling and not r.finished]:
+            if r.status is not Status.RUNNING:
+                continue  # preempted by an older request's chunk
+            n = self._chunk(r, budget, first=budget == self.max_num_batched_tokens - rows)
+            if n == 0 or not self._reserve(r, r.num_computed + n):
+                break
+            self._isolated(lambda rs, n=n: self._prefill(rs[0], n), [r])
+            budget -= n
+            touched[r.request_id] = None
         for r in [r for r in self.scheduler.running if r.finished]:
-            self.scheduler.release(r)
+            self._release(r)
         return [self._output(rid) for rid in touched]
+
+    def _chunk(self, r: Request, budget: int, first: bool) -> int:
+        """How many prompt tokens of ``r`` to prefill now: what the budget allows, ending on a block boundary
+        unless it is the prompt's end (so that chunks never change a position's result, see
+        layers.attention); at least one block for the first prompt in line, so prefill always progresses."""
+        if not r.prefix_checked:
+            self._use_prefix_cache(r)
+        left = r.prefill_end - r.num_computed
+        n = min(left, budget)
+        if n < left:
+            n -= (r.num_computed + n) % BLOCK_SIZE
+        if n <= 0 and first:
+            n = min(left, BLOCK_SIZE - r.num_computed % BLOCK_SIZE)
+        return max(n, 0)
+
+    def _use_prefix_cache(self, r: Request) -> None:
+        """Start the request's prefill after the longest prefix the cache holds: whole blocks, and at least its
+        last prompt token left to compute, whose logits give the first output token."""
+        r.prefix_checked = True
+        limit = r.prefill_end if r.resumed else r.prefill_end - 1
+        blocks, draft_blocks = self.pool.match(r.all_token_ids, limit)
+        self.pool.attach(r.slot, blocks)
+        r.num_computed = len(blocks) * BLOCK_SIZE
+        r.draft_computed = draft_blocks * BLOCK_SIZE if self.draft_runner is not None else 0
+        if not r.resumed:
+            self.pool.count_query(r.prefill_end, r.num_computed)
+            r.metrics.num_cached_tokens = r.num_computed
+
+    def _make_room(self, reqs: list[Request]) -> list[Request]:
+        """Blocks for this step's verification rows (and the draft model's) of each decoding request, oldest
+        first; the ones that cannot get them are preempted. Returns the requests still running."""
+        reach = self.proposer.max_k if self.proposer is not None else 0
+        for r in reqs:
+            if r.status is Status.RUNNING and not self._reserve(r, min(len(r.all_token_ids) + reach,
+                                                                       self.max_model_len)):
+                self._release(r, preempt=True)
+        return [r for r in reqs if r.status is Status.RUNNING]
+
+    def _reserve(self, r: Request, num_tokens: int) -> bool:
+        """Blocks for positions [0, num_tokens) of ``r``, preempting requests admitted after it while the
+        cache is short; False when only older requests hold the rest (``r`` then waits for them)."""
+        while self.pool.blocks_needed(r.slot, num_tokens) > self.pool.num_free_blocks:
+            running = self.scheduler.running
+            younger = running[running.index(r) + 1:]
+            if not younger:
+                return False
+            victim = younger[-1]
+            logger.warning("KV cache full: request %s is preempted and will be prefilled again "
+                           "(raise kv_cache_memory or lower max_num_seqs).", victim.request_id)
+            self._release(victim, preempt=True)
+        self.pool.ensure(r.slot, num_tokens)
+        return True
+
+    def _release(self, r: Request, preempt: bool = False) -> None:
+        """Give back the request's slot; the blocks its prompt prefill computed stay in the prefix cache."""
+        if r.slot is not None:
+            done = min(r.num_computed, r.prefill_end)
+            self.pool.register(r.slot, r.all_token_ids, done, min(r.draft_computed, done))
+        if preempt:
+            self.scheduler.preempt(r)
+        else:
+            self.scheduler.release(r)
 
     def _isolated(self, run, reqs: list[Request]) -> None:
         """run(reqs), such that a request whose own numbers break the step fails alone.
@@ -241,9 +355,14 @@ class LLMEngine:
             del self._parents[rid]
         return out
 
-    def _prefill(self, r: Request) -> None:
-        logits = self.target.prefill(r.slot, r.all_token_ids)
-        r.num_computed = len(r.all_token_ids)
+    def _prefill(self, r: Request, n: int) -> None:
+        """Prefill the next ``n`` prompt tokens; at the prompt's end, sample the first output token."""
+        start = r.num_computed
+        logits = self.target.prefill(r.slot, r.all_token_ids[start:start + n], start)
+        r.num_computed = start + n
+        self.pool.register(r.slot, r.all_token_ids, r.num_computed, r.draft_computed)
+        if r.prefilling or r.resumed:
+            return
         result = rejection_sample(self._target_probs([r], [logits[None]], [[]]),
                                   torch.zeros(1, 0, dtype=torch.long, device=logits.device), [0], None,
                                   [r.params.greedy], [r.generator])
@@ -270,6 +389,7 @@ class LLMEngine:
         if any(matcher_of(r) is not None for r in reqs):  # structured outputs: grammar-checked and forced drafts
             prop = constrain_proposal(reqs, prop, budgets, proposer)
         drafts = prop.tokens
+        self._rows = sum(1 + len(d) for d in drafts)
         logits = self.target.forward_rows([(r.slot, r.num_computed, [r.all_token_ids[-1]] + d)
                                            for r, d in zip(reqs, drafts)], all_logits=True)
         result = self._rejection_sample(reqs, logits, prop)

@@ -1,13 +1,16 @@
 """Runs one model over the engine's cache slots.
 
-The runner's KVCache (engine/kv_cache.py) holds every layer's keys and values. The runner never tracks
-lengths; each request's computed length lives in the request and is passed in as the start position, so
-rolling back rejected drafts is just lowering that number.
+The runner's KVCache (engine/kv_cache.py) holds every layer's keys and values, in blocks of a BlockPool
+(engine/block_pool.py) that the target's and the draft's runners share. The runner never tracks lengths;
+each request's computed length lives in the request and is passed in as the start position, so rolling back
+rejected drafts is just lowering that number. Before a pass writes new positions, the runner makes sure
+their blocks exist (``KVCache.ensure``).
 """
 from __future__ import annotations
 
 import torch
 
+from specdecode.engine.block_pool import BlockPool
 from specdecode.engine.kv_cache import KVCache
 from specdecode.layers.attention import Attention, ForwardBatch
 from specdecode.models.loader import LoadedModel
@@ -15,16 +18,18 @@ from specdecode.models.loader import LoadedModel
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, max_num_seqs: int, max_model_len: int, device: str,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", pool: BlockPool | None = None):
         """kv_cache_dtype: "auto" (16-bit on CPU, the model dtype elsewhere), "float16", "bfloat16" or
-        "float32" (see engine.kv_cache)."""
+        "float32" (see engine.kv_cache). pool: the blocks to use (shared with another runner), or None for
+        a pool of this runner's own with room for max_num_seqs sequences of max_model_len."""
         self.model = loaded.model
         self.hf_config = loaded.hf_config
         self.device = torch.device(device)
         self.max_model_len = max_model_len
         self.vocab_size = self.model.args.vocab_size
         self.num_passes = 0  # decode/verify forward passes; the bench turns them into weight bytes read
-        self.kv_cache = KVCache.for_model(self.model, max_num_seqs, max_model_len, kv_cache_dtype, self.device)
+        self.kv_cache = KVCache.for_model(self.model, max_num_seqs, max_model_len, kv_cache_dtype, self.device,
+                                          pool)
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for i, m in enumerate(layers):
             m.bind_kv_cache(self.kv_cache, i)
@@ -35,6 +40,7 @@ class ModelRunner:
     def prefill(self, slot: int, token_ids: list[int], start: int = 0) -> torch.Tensor:
         """Computes KV for token_ids at positions start.. and returns the last token's logits [V]."""
         n = len(token_ids)
+        self.kv_cache.ensure(slot, start + n)
         pos = list(range(start, start + n))
         b = ForwardBatch(self._tensor(token_ids), self._tensor(pos), self._tensor([slot] * n), [slot] * n, pos,
                          prefill=True, logits_rows=self._tensor([n - 1]))
@@ -46,6 +52,7 @@ class ModelRunner:
         Returns per sequence the logits [len(tokens), V] if all_logits, else the last row's [1, V]."""
         ids, pos, slots, rows, spans = [], [], [], [], []
         for slot, start, toks in seqs:
+            self.kv_cache.ensure(slot, start + len(toks))
             base = len(ids)
             ids += toks
             pos += range(start, start + len(toks))

@@ -37,6 +37,11 @@ class Request:
         # all but the newest token, which is fed at the next step.
         self.num_computed = 0
         self.draft_computed = 0
+        # Prefill computes positions [num_computed, prefill_end): the prompt, or after a preemption every token
+        # but the newest. Blocks of it may come from the prefix cache (looked up once, before its first chunk).
+        self.prefill_end = len(self.prompt_token_ids)
+        self.prefix_checked = False
+        self.resumed = False  # preempted and admitted again: its prefill samples nothing
         self.generator: torch.Generator | None = None
         if params.seed is not None and not params.greedy:
             self.generator = torch.Generator(device=device)
@@ -55,6 +60,10 @@ class Request:
         # request's suffix index (SuffixProposer). Kept here so that it goes when the request goes.
         self.proposer_step = None
         self.suffix_index = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < self.prefill_end
 
     @property
     def output_token_ids(self) -> list[int]:

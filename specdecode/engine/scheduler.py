@@ -1,9 +1,15 @@
-"""Admission, cache slots and request lifetimes. Thread-safe for add/abort from a server thread."""
+"""Admission, cache slots, KV blocks and request lifetimes. Thread-safe for add/abort from a server thread.
+
+A request is admitted when a slot is free and the KV cache has blocks for its tokens so far. When the
+running requests outgrow the cache, the most recently admitted one is preempted: its blocks are released and
+it waits at the head of the queue, to be prefilled again (what it computed from its prompt is usually still
+in the prefix cache)."""
 from __future__ import annotations
 
 import threading
 from collections import deque
 
+from specdecode.engine.block_pool import BLOCK_SIZE, BlockPool
 from specdecode.engine.request import Request, Status
 
 
@@ -12,8 +18,10 @@ class QueueFullError(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_waiting: int):
+    def __init__(self, max_num_seqs: int, max_waiting: int, pool: BlockPool | None = None):
         self.max_num_seqs = max_num_seqs
+        self.pool = pool
+        self.num_preemptions = 0
         self.max_waiting = max_waiting
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -58,7 +66,12 @@ class Scheduler:
         new = []
         with self._lock:
             while self.waiting and self.free_slots:
-                r = self.waiting.popleft()
+                r = self.waiting[0]
+                # its tokens so far and one block to grow into; a prefix-cache hit only makes it need less
+                if self.pool is not None and self.running and \
+                        self.pool.num_free_blocks < -(-len(r.all_token_ids) // BLOCK_SIZE) + 1:
+                    break
+                self.waiting.popleft()
                 r.slot = self.free_slots.pop()
                 r.status = Status.RUNNING
                 self.running.append(r)
@@ -69,5 +82,18 @@ class Scheduler:
         if r in self.running:
             self.running.remove(r)
         if r.slot is not None:
+            if self.pool is not None:
+                self.pool.free(r.slot)
             self.free_slots.append(r.slot)
             r.slot = None
+
+    def preempt(self, r: Request) -> None:
+        """Release a running request's slot and blocks and queue it first, to be prefilled again."""
+        self.release(r)
+        r.status = Status.WAITING
+        r.num_computed = r.draft_computed = 0
+        r.prefill_end = len(r.all_token_ids) - 1  # the newest token is fed by its next decode step
+        r.prefix_checked, r.resumed = False, True
+        self.num_preemptions += 1
+        with self._lock:
+            self.waiting.appendleft(r)

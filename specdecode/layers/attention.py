@@ -1,9 +1,15 @@
 """Attention over the model's KV cache (engine.kv_cache.KVCache).
 
 Tokens arrive flattened: token i belongs to cache slot ``slots[i]`` at position ``positions[i]``.
-Prefill (one whole prompt) runs one causal SDPA call. Decode and verification rows run one SDPA call
-per token over exactly that token's prefix, so a token's output is bitwise the same whether it is
-decoded alone or verified together with drafts or other requests.
+
+Prefill (a stretch of one prompt) runs one SDPA call per block of ``BLOCK_SIZE`` positions, aligned at
+multiples of it: the queries of the block against the keys up to the block's end. A position's output then
+depends only on its own block's call, never on where a chunk of the prompt started or ended, so a prompt
+prefilled whole, in chunks, or after a prefix taken from the cache gets bitwise the same keys, values and
+logits (engine.block_pool shares prefill-computed blocks on this ground).
+
+Decode and verification rows run one SDPA call per token over exactly that token's prefix, so a token's
+output is bitwise the same whether it is decoded alone or verified together with drafts or other requests.
 """
 from __future__ import annotations
 
@@ -13,6 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from specdecode.engine.block_pool import BLOCK_SIZE
 
 if TYPE_CHECKING:
     from specdecode.engine.kv_cache import KVCache
@@ -67,20 +75,12 @@ class Attention(nn.Module):
             raise RuntimeError("Attention has no KV cache bound: build a ModelRunner for this model first.")
         cache.write(layer, b.kv_location(cache), k, v)
         n, rep = q.shape[0], self.n_heads // self.n_kv
+        out = torch.empty(n, self.n_kv, rep, self.head_dim, dtype=q.dtype, device=q.device)
         if b.prefill:
             slot, start = b.slot_list[0], b.pos_list[0]
-            end = start + n
-            keys, vals = cache.read(layer, slot, end, q.dtype)
-            if rep > 1:
-                keys, vals = keys.repeat_interleave(rep, 0), vals.repeat_interleave(rep, 0)
-            qh = q.transpose(0, 1)
-            if start == 0:
-                out = F.scaled_dot_product_attention(qh, keys, vals, is_causal=True, scale=self.scale)
-            else:
-                allowed = torch.arange(end, device=q.device)[None, :] <= b.positions[:, None]
-                out = F.scaled_dot_product_attention(qh, keys, vals, attn_mask=allowed, scale=self.scale)
-            return out.transpose(0, 1).reshape(n, -1)
-        out = torch.empty(n, self.n_kv, rep, self.head_dim, dtype=q.dtype, device=q.device)
+            keys, vals = cache.read(layer, slot, start + n, q.dtype)
+            self._prefill_blocks(q.view(n, self.n_kv, rep, self.head_dim), keys[None], vals[None], start, out)
+            return out.view(n, -1)
         # The rep query heads that share a KV head act as rep query rows: no K/V copy for GQA. Inputs are
         # 4-D so that SDPA can take its fused kernel (3-D inputs fall back to the slower unfused path).
         qg = q.view(n, 1, self.n_kv, rep, self.head_dim)
@@ -95,3 +95,23 @@ class Attention(nn.Module):
                 out[i] = F.scaled_dot_product_attention(qg[i], keys[:, :, :end], vals[:, :, :end],
                                                         scale=self.scale)[0]
         return out.view(n, -1)
+
+    def _prefill_blocks(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, start: int,
+                        out: torch.Tensor) -> None:
+        """Causal attention of positions start .. start + len(q) - 1, one call per aligned block.
+
+        q [n, KV, rep, D]; keys, vals [1, KV, >= start + n, D]; out [n, KV, rep, D]. The rep query heads of a
+        KV head are rows of one call (no K/V copy for GQA), position-major, so row r is position r // rep."""
+        n, kv, rep, d = q.shape
+        end = start + n
+        p = start
+        while p < end:
+            stop = min((p // BLOCK_SIZE + 1) * BLOCK_SIZE, end)
+            m = stop - p
+            qb = q[p - start:stop - start].permute(1, 0, 2, 3).reshape(1, kv, m * rep, d)
+            row_pos = torch.arange(p, stop, device=q.device).repeat_interleave(rep)
+            allowed = torch.arange(stop, device=q.device)[None, :] <= row_pos[:, None]
+            o = F.scaled_dot_product_attention(qb, keys[:, :, :stop], vals[:, :, :stop], attn_mask=allowed,
+                                               scale=self.scale)
+            out[p - start:stop - start] = o[0].view(kv, m, rep, d).permute(1, 0, 2, 3)
+            p = stop

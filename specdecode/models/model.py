@@ -359,7 +359,9 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, b: ForwardBatch) -> torch.Tensor:
         """Returns logits [len(b.logits_rows), vocab] in float32."""
-        with row_invariant(not b.prefill):
+        # Prefill rows too: a prompt's keys and values must not depend on how it was split into chunks or
+        # which of its blocks came from the prefix cache (engine.block_pool).
+        with row_invariant(True):
             x = self.embed_tokens(b.input_ids)
             stack = None if b.prefill else self._layer_stack()
             if stack is not None:

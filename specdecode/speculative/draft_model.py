@@ -13,6 +13,10 @@ from specdecode.speculative.draft_vocab import TruncatedHead
 from specdecode.speculative.proposer import Proposal, Proposer
 
 
+# More unseen tokens than this (a prompt after a prefix-cache hit) are fed as a prefill, not as decode rows.
+PREFILL_ROWS = 32
+
+
 class DraftModelProposer(Proposer):
     """k autoregressive draft steps, batched over requests (vLLM's ``draft_model`` method).
 
@@ -75,12 +79,14 @@ class DraftModelProposer(Proposer):
             self.head.add_context(token_ids)
 
     def _prefill_draft(self, request) -> torch.Tensor:
-        """Run the draft over all of a request's tokens so far; the logits after them."""
+        """Run the draft over the request's tokens it has not seen (after a prefix the prefix cache gave it,
+        if any) as a prompt prefill; the logits after them."""
         t0 = time.perf_counter()
         tokens = list(request.all_token_ids)
         self._note_context(tokens)
+        start = request.draft_computed
         request.draft_computed = len(tokens)
-        logits = self.runner.prefill(request.slot, tokens)
+        logits = self.runner.prefill(request.slot, tokens[start:], start)
         self._prefill_seconds += time.perf_counter() - t0
         return logits
 
@@ -89,10 +95,10 @@ class DraftModelProposer(Proposer):
         out: list[torch.Tensor | None] = [None] * len(requests)
         rows, idx = [], []
         for i, r in enumerate(requests):
-            if r.draft_computed == 0:
+            pending = r.all_token_ids[r.draft_computed:]
+            if r.draft_computed == 0 or len(pending) > PREFILL_ROWS:
                 out[i] = self._prefill_draft(r)
                 continue
-            pending = r.all_token_ids[r.draft_computed:]
             self._note_context(pending)
             rows.append((r.slot, r.draft_computed, pending))
             idx.append(i)

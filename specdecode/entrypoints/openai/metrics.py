@@ -1,7 +1,9 @@
 """Prometheus metrics of the server, in vLLM's names with a ``specdecode:`` prefix.
 
-The speculative-decoding counters are also exposed under vLLM's own names (``vllm:spec_decode_*``), so
-dashboards built for vLLM work unchanged; the ``specdecode:`` ones carry the same values.
+The speculative-decoding, prefix-cache and KV-cache series are also exposed under vLLM's own names
+(``vllm:spec_decode_*``, ``vllm:prefix_cache_queries`` / ``_hits`` in tokens, ``vllm:kv_cache_usage_perc``,
+``vllm:num_preemptions``), so dashboards built for vLLM work unchanged; the ``specdecode:`` ones carry the same
+values.
 
 Recorded on the engine thread after every step (prometheus-client is thread-safe), from the step's
 outputs and the engine's cumulative spec-decode counters; the HTTP layer adds rejected requests.
@@ -73,15 +75,26 @@ class ServerMetrics:
         self.spec_accepted_pos = _Counters(_spec_names("spec_decode_num_accepted_tokens_per_pos"),
                                            "Accepted drafted tokens by draft position (0 = first).",
                                            m + ["position"], r)
+        self.prefix_queries = _Counters(_spec_names("prefix_cache_queries"),
+                                        "Prompt tokens looked up in the prefix cache.", m, r)
+        self.prefix_hits = _Counters(_spec_names("prefix_cache_hits"),
+                                     "Prompt tokens whose KV came from the prefix cache.", m, r)
+        self.preemptions = _Counters(_spec_names("num_preemptions"),
+                                     "Requests preempted (blocks released, prefilled again) for lack of KV cache.",
+                                     m, r)
+        self.kv_usage = [Gauge(n, "Fraction of the KV cache's blocks in use by running requests (0..1).", m,
+                               registry=r) for n in _spec_names("kv_cache_usage_perc")]
         for reason in FINISH_REASONS:
             self.success.labels(model_name, reason)
         for c in (self.prompt_tokens, self.generation_tokens):
             c.labels(model_name)
-        for c in (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
+        for c in (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted, self.prefix_queries,
+                  self.prefix_hits, self.preemptions):
             c.touch(model_name)
         # request id -> (tokens seen so far, time of the last output); engine-thread only
         self._seen: dict[str, tuple[int, float]] = {}
         self._spec = (0, 0, 0, [])
+        self._kv = (0, 0, 0)  # prefix queries, hits, preemptions recorded so far
 
     # ---- engine thread ----
     def on_step(self, outputs: list[RequestOutput], engine, now: float) -> None:
@@ -115,6 +128,17 @@ class ServerMetrics:
         sched = engine.scheduler
         self.running.labels(name).set(len(sched.running))
         self.waiting.labels(name).set(len(sched.waiting))
+        self._record_kv(engine.pool, sched.num_preemptions)
+
+    def _record_kv(self, pool, preemptions: int) -> None:
+        name = self.model_name
+        now = (pool.queries, pool.hits, preemptions)
+        for counter, new, old in zip((self.prefix_queries, self.prefix_hits, self.preemptions), now, self._kv):
+            if new > old:
+                counter.inc(new - old, name)
+        self._kv = now
+        for g in self.kv_usage:
+            g.labels(name).set(pool.num_used_blocks / pool.num_blocks)
 
     def _record_spec(self, s) -> None:
         name = self.model_name

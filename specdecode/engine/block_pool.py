@@ -1,0 +1,204 @@
+"""The KV cache's blocks: allocation, reference counts and the prefix cache.
+
+A block holds ``BLOCK_SIZE`` consecutive positions of one sequence in every layer of a model. The pool hands
+out block ids; ``block_table[slot, i]`` names the block holding positions ``16 i .. 16 i + 15`` of a cache slot.
+The target's and the draft model's KVCache share one pool and so one table: a block id means the same
+positions in both caches (each has its own storage for it).
+
+Prefix caching. A full block whose keys and values were computed by prompt prefill is *registered* under its
+content: the identity of the registered block before it plus its 16 token ids. A later sequence that starts
+with the same tokens takes a reference to those blocks instead of computing them again. The key is compared
+exactly (a dict of tuples, no digest), so two different prefixes never share a block. Only prefill-computed
+blocks are registered: prefill rounds every position the same way however the prompt is split into chunks
+or cached (layers.attention), so a cache hit gives bitwise the same keys and values as computing them.
+Decode rows use another attention kernel, so blocks written by decoding are never shared.
+
+Blocks nobody references stay cached, in least-recently-released order, and are evicted only when a fresh
+block is needed. Each registered block records whether the draft model's cache holds it too.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+BLOCK_SIZE = 16  # positions per block = the C++ attention's key tile (kernels.KEY_TILE, checked in kv_cache)
+
+
+class KVCacheFullError(RuntimeError):
+    """The KV cache has no free block left for a sequence's next positions."""
+
+
+class _Cached:
+    __slots__ = ("key", "content_id", "draft_ok")
+
+    def __init__(self, key: tuple, content_id: int, draft_ok: bool):
+        self.key, self.content_id, self.draft_ok = key, content_id, draft_ok
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, num_slots: int, blocks_per_slot: int, device: torch.device | str,
+                 enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks, self.num_slots, self.blocks_per_slot = num_blocks, num_slots, blocks_per_slot
+        self.enable_prefix_caching = enable_prefix_caching
+        # Entries a slot does not hold point at block 0: never read, since readers stay below the lengths given.
+        self.block_table = torch.zeros(num_slots, blocks_per_slot, dtype=torch.int64, device=device)
+        self._slot_blocks: list[list[int]] = [[] for _ in range(num_slots)]
+        self._refs = [0] * num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))   # never used, or released and not cached
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
+        self._cached: dict[int, _Cached] = {}             # block -> its registration
+        self._by_key: dict[tuple, int] = {}                # (parent content id, tokens) -> block
+        self._next_content_id = 1                          # 0 is the empty prefix
+        # vLLM's prefix cache counters, in tokens: positions looked up and positions found
+        self.queries = 0
+        self.hits = 0
+
+    # ---- sizes ----
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a sequence can take now: never used, released, or cached and unreferenced (evictable)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks referenced by at least one slot."""
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def held(self, slot: int) -> int:
+        """Positions the blocks of ``slot`` cover."""
+        return len(self._slot_blocks[slot]) * BLOCK_SIZE
+
+    def blocks_needed(self, slot: int | None, num_tokens: int) -> int:
+        """Fresh blocks ``slot`` (None: an empty one) needs to hold positions [0, num_tokens)."""
+        have = 0 if slot is None else len(self._slot_blocks[slot])
+        return max(0, -(-num_tokens // BLOCK_SIZE) - have)
+
+    # ---- allocation ----
+    def _take(self) -> int:
+        if self._free:
+            block = self._free.pop()
+        elif self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            self._forget(block)
+        else:
+            raise KVCacheFullError(f"The KV cache is full ({self.num_blocks} blocks of {BLOCK_SIZE} positions).")
+        self._refs[block] = 1
+        return block
+
+    def _forget(self, block: int) -> None:
+        entry = self._cached.pop(block, None)
+        if entry is not None and self._by_key.get(entry.key) == block:
+            del self._by_key[entry.key]
+
+    def ensure(self, slot: int, num_tokens: int) -> None:
+        """Give ``slot`` blocks for positions [0, num_tokens); raises KVCacheFullError (taking nothing) when the
+        pool cannot."""
+        blocks = self._slot_blocks[slot]
+        n = -(-num_tokens // BLOCK_SIZE)
+        if n > self.blocks_per_slot:
+            raise ValueError(f"{num_tokens} positions exceed the cache's max_model_len "
+                             f"({self.blocks_per_slot * BLOCK_SIZE}).")
+        if n - len(blocks) > self.num_free_blocks:
+            raise KVCacheFullError(f"The KV cache is full: {n - len(blocks)} more blocks needed, "
+                                   f"{self.num_free_blocks} of {self.num_blocks} free.")
+        while len(blocks) < n:
+            block = self._take()
+            self.block_table[slot, len(blocks)] = block
+            blocks.append(block)
+
+    def free(self, slot: int) -> None:
+        """Drop the slot's references. Registered blocks stay cached until evicted; the rest are free."""
+        for block in reversed(self._slot_blocks[slot]):  # the tail first: the prefix stays cached longest
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if block in self._cached:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
+        self._slot_blocks[slot] = []
+
+    # ---- prefix cache ----
+    def match(self, token_ids: list[int], max_tokens: int) -> tuple[list[int], int]:
+        """The registered blocks that hold the longest prefix of ``token_ids`` of at most ``max_tokens``
+        positions, and how many of them lead with the draft model's keys and values too."""
+        blocks: list[int] = []
+        draft_run = 0
+        if not self.enable_prefix_caching:
+            return blocks, draft_run
+        parent = 0
+        for i in range(max_tokens // BLOCK_SIZE):
+            block = self._by_key.get((parent, tuple(token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])))
+            if block is None:
+                break
+            entry = self._cached[block]
+            if entry.draft_ok and draft_run == len(blocks):
+                draft_run += 1
+            blocks.append(block)
+            parent = entry.content_id
+        return blocks, draft_run
+
+    def attach(self, slot: int, blocks: list[int]) -> None:
+        """Make ``blocks`` (from ``match``) the first blocks of an empty slot, sharing them."""
+        self.free(slot)
+        for i, block in enumerate(blocks):
+            if self._refs[block] == 0:
+                self._evictable.pop(block, None)
+            self._refs[block] += 1
+            self.block_table[slot, i] = block
+        self._slot_blocks[slot] = list(blocks)
+
+    def count_query(self, queried: int, hit: int) -> None:
+        self.queries += queried
+        self.hits += hit
+
+    def register(self, slot: int, token_ids: list[int], num_tokens: int, draft_tokens: int) -> None:
+        """Register the slot's full blocks of positions [0, num_tokens), computed by prefill from ``token_ids``;
+        the draft's cache holds positions [0, draft_tokens)."""
+        if not self.enable_prefix_caching:
+            return
+        parent = 0
+        blocks = self._slot_blocks[slot]
+        for i in range(min(num_tokens // BLOCK_SIZE, len(blocks))):
+            block = blocks[i]
+            draft_ok = (i + 1) * BLOCK_SIZE <= draft_tokens
+            entry = self._cached.get(block)
+            if entry is None:
+                key = (parent, tuple(token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]))
+                if key in self._by_key:  # the same content already lives in another block: this one stays private
+                    parent = self._cached[self._by_key[key]].content_id
+                    continue
+                entry = _Cached(key, self._next_content_id, draft_ok)
+                self._next_content_id += 1
+                self._cached[block] = entry
+                self._by_key[key] = block
+            elif draft_ok:
+                entry.draft_ok = True
+            parent = entry.content_id
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every registered block (vLLM's reset_prefix_cache); blocks in use stay with their slots."""
+        for block in list(self._evictable):
+            self._free.append(block)
+        self._evictable.clear()
+        self._cached.clear()
+        self._by_key.clear()
+
+    def check_consistency(self) -> None:
+        """Assert the pool's invariants (tests): every block is free, evictable or referenced, exactly once."""
+        refs = [0] * self.num_blocks
+        for blocks in self._slot_blocks:
+            for b in blocks:
+                refs[b] += 1
+        assert refs == self._refs, "reference counts disagree with the slots' blocks"
+        free, evictable = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free) and not free & evictable
+        for b in range(self.num_blocks):
+            assert (refs[b] > 0) + (b in free) + (b in evictable) == 1, f"block {b} is lost or double-booked"
+            assert b not in evictable or b in self._cached
