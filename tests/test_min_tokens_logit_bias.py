@@ -171,10 +171,32 @@ def test_logit_bias_greedy_is_exact_under_speculation(plain_greedy, engines, sha
     assert all(run == runs["none"] for run in runs.values()), runs
 
 
+def test_min_tokens_under_a_grammar(engines, sharp_target):
+    """min_tokens holds the end of a grammar back while the grammar allows more; where it allows only the end,
+    the grammar wins (the request ends, valid); the same with speculation."""
+    from specdecode.structured import StructuredOutputsParams
+
+    runs = {}
+    for spec in SPEC:
+        llm = engines(sharp_target, spec)
+        toks, reason, text = _greedy(llm, max_tokens=20, min_tokens=8,
+                                     structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+        assert reason == "stop" and text in ("yes", "no"), (spec, text)
+        # +100 on EOS: the grammar ends the output as soon as it may, unless min_tokens holds the end back
+        letters = dict(max_tokens=30, logit_bias={0: 100},
+                       structured_outputs=StructuredOutputsParams(regex="[a-z]{1,30}"))
+        short = _greedy(llm, **letters)
+        runs[spec] = _greedy(llm, min_tokens=6, **letters)
+        assert short[1] == "stop" and len(short[0]) <= 2, (spec, short)
+        assert runs[spec][1] == "stop" and len(runs[spec][0]) >= 6 and runs[spec][2].isalpha(), (spec, runs[spec])
+    assert all(run == runs["none"] for run in runs.values()), runs
+
+
 def test_logit_bias_outside_vocabulary_fails_the_request_alone(engines, sharp_target):
     llm = engines(sharp_target, "none")
     outs = llm.generate(prompt_token_ids=[PROMPT, PROMPT], use_tqdm=False, sampling_params=[
-        SamplingParams(temperature=0, max_tokens=4, logit_bias={10 ** 6: 1.0}), SamplingParams(temperature=0, max_tokens=4)])
+        SamplingParams(temperature=0, max_tokens=4, logit_bias={10 ** 6: 1.0}),
+        SamplingParams(temperature=0, max_tokens=4)])
     assert outs[0].outputs[0].finish_reason == "error" and "logit_bias" in (outs[0].error or "")
     assert outs[1].outputs[0].finish_reason == "length"
 

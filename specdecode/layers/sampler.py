@@ -85,7 +85,7 @@ def request_logits(rows: torch.Tensor, p: SamplingParams, output: list[int], dra
         return out
     masked = grammar_mask(out)
     if blocked is not rows:
-        dead = ~torch.isfinite(masked).any(-1)
+        dead = masked.amax(-1) == float("-inf")  # rows where min_tokens left the grammar nothing
         if bool(dead.any()):
             masked = torch.where(dead[:, None], grammar_mask(penalized(rows)).float(), masked.float())
     return masked
