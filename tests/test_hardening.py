@@ -316,7 +316,8 @@ MALFORMED = [
                                                  "json_schema": {"name": "s", "schema": {"type": "nonsense"}}}}),
     _json(C, {"prompt": "x", "guided_regex": "(ab"}),
     _json(C, {"prompt": "x", "frobnicate": True}),
-    _json(C, {"prompt": "x", "logit_bias": {"1": 5}}),
+    _json(C, {"prompt": "x", "logit_bias": {"1": 500}}),  # logit_bias is implemented: its bad values are refused
+    _json(C, {"prompt": "x", "logit_bias": {"99999999": 5}}),
     _json(C, {"prompt": "x", "suffix": "y"}),
     _json(C, {"prompt": "x", "best_of": 3}),
     _json(C, {"prompt": "x", "echo": "maybe"}),
