@@ -111,11 +111,6 @@ class SamplingParams:
                 f"StructuredOutputsParams), got {type(self.structured_outputs).__name__}.")
 
     @property
-    def has_logits_processing(self) -> bool:
-        """Whether anything changes this request's logits before its sampling transform."""
-        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
-
-    @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
