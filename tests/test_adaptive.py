@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from specdecode.speculative.adaptive import (PROBE_EVERY, Acceptance, CostModel, calibration_rows, choose_k,
-                                      expected_tokens, next_k)
+from specdecode.speculative.adaptive import (PLAIN, PROBE_EVERY, Acceptance, AdaptiveK, CostModel, StepOption,
+                                             calibration_rows, choose_k, draft_calibration_rows, expected_tokens,
+                                             next_k, plan_step)
 
 from helpers_spec import GREEDY, PROMPTS, gen_ids, llm_cache, noisy_drafts, one_thread  # noqa: F401
 
@@ -83,10 +84,16 @@ def test_adaptive_greedy_equals_plain(proposer, one_thread, llm_cache, tiny_mode
     # Calibrated when the engine started: every timed row count after a short and a long context.
     costs = llm.engine.proposer.costs
     assert len(costs.verify) == 2
-    for table in costs.verify.values():
-        assert sorted(table) == calibration_rows(4) and all(s > 0 for s in table.values())
+    # Row counts up to the engine's batch all drafting, where they fit after the context.
+    batch, max_len = llm.engine.config.max_num_seqs, llm.engine.max_model_len
+    for ctx, table in costs.verify.items():
+        assert sorted(table) == [n for n in calibration_rows(4, batch) if ctx + n <= max_len]
+        assert all(s > 0 for s in table.values())
     assert (sorted(costs.draft) == sorted(costs.verify)) == (proposer == "draft")
     assert all(s > 0 for s in costs.draft.values())
+    if proposer == "draft":  # batched draft steps too
+        for ctx, table in costs.draft_rows.items():
+            assert sorted(table) == [n for n in draft_calibration_rows(batch) if ctx + n <= max_len]
 
 
 def _high() -> Acceptance:
@@ -130,6 +137,10 @@ def test_calibration_rows_cover_one_to_k_plus_one():
     assert calibration_rows(4) == [1, 2, 3, 5]
     assert calibration_rows(8) == [1, 2, 3, 5, 9]
     assert calibration_rows(10) == [1, 2, 3, 5, 9, 11]
+    # A batch adds its plain step and doubling row counts up to every request drafting k_max (capped).
+    assert calibration_rows(4, 8) == [1, 2, 3, 5, 8, 10, 20, 40]
+    assert calibration_rows(12, 64)[-1] == 256
+    assert draft_calibration_rows(1) == [1, 64] and draft_calibration_rows(6) == [1, 2, 4, 6, 64]
 
 
 def test_costs_follow_the_context_length():
@@ -261,7 +272,7 @@ def test_hybrid_lookups_go_deeper_than_the_draft_model(one_thread, llm_cache, ti
     costs = llm_cache.get(tiny_models["llama"], speculative_model=noisy_drafts["llama"], num_speculative_tokens=3,
                           speculative_adaptive=True, speculative_ngram_first=True,
                           prompt_lookup_num_tokens=8).engine.proposer.costs
-    assert all(sorted(t) == calibration_rows(8) for t in costs.verify.values())
+    assert all(set(calibration_rows(8)) <= set(t) for t in costs.verify.values())
 
 
 def test_calibration_is_kept_on_disk_and_a_broken_cache_is_rebuilt(one_thread, tiny_models, tmp_path, monkeypatch,
@@ -292,3 +303,94 @@ def test_calibration_is_kept_on_disk_and_a_broken_cache_is_rebuilt(one_thread, t
     assert timed == [1, 1] and sorted(rebuilt.verify) == sorted(first.verify)
     assert any("unreadable speculation cost cache" in r.getMessage() for r in caplog.records)
     assert len(json.loads((tmp_path / "adaptive_costs.json").read_text())) == 1
+
+
+# ---- the plan for the whole batch (plan_step / AdaptiveK.plan) ----
+def _cpu_like() -> CostModel:
+    """Verification nearly flat up to a handful of rows (weight-bandwidth bound), then linear in the rows
+    (compute bound), as on a CPU; batched draft steps cost little more than one row."""
+    c = CostModel()
+    for rows, s in {1: 0.100, 2: 0.102, 3: 0.104, 5: 0.110, 8: 0.130, 16: 0.240, 32: 0.480, 64: 0.960}.items():
+        c.add(0, rows, s)
+    for rows, s in {1: 0.020, 2: 0.021, 4: 0.023, 8: 0.028, 16: 0.040, 64: 0.160}.items():
+        c.add_draft(0, s, rows)
+    return c
+
+
+def _draft_options(p: float, cap: int, once: float = 0.0) -> list[StepOption]:
+    return [PLAIN] + [StepOption(False, k, expected_tokens(p, p, k), once) for k in range(1, cap + 1)]
+
+
+def test_batch_of_one_drafts_and_agrees_with_choose_k():
+    c = _cpu_like()
+    for p in (0.3, 0.6, 0.9):
+        [j] = plan_step([_draft_options(p, 4)], c)
+        assert _draft_options(p, 4)[j].k == choose_k(p, p, 4, c, draft_is_free=False)
+    [j] = plan_step([_draft_options(0.9, 4)], c)
+    assert _draft_options(0.9, 4)[j].k >= 3
+
+
+def test_a_large_batch_with_dear_verify_rows_turns_speculation_off():
+    c = _cpu_like()
+    # 16 requests: a plain step is already 16 rows on the linear part of the curve, so every draft row costs
+    # about what a token earns, and even well-accepted drafts (0.8) do not pay.
+    plan = plan_step([_draft_options(0.8, 4) for _ in range(16)], c)
+    assert plan == [0] * 16
+    # Lookups cost no draft passes but the same rows: off as well.
+    lookups = [[PLAIN] + [StepOption(True, k, expected_tokens(0.8, 0.8, k)) for k in range(1, 9)]] * 16
+    assert plan_step(lookups, c) == [0] * 16
+    # Two such requests are still on the flat part: both speculate.
+    assert all(plan_step(lookups[:2], c)) and all(plan_step([_draft_options(0.8, 4)] * 2, c))
+
+
+def test_requests_draft_together_when_the_draft_pass_is_shared():
+    c = CostModel()
+    for rows, s in {1: 0.100, 2: 0.101, 5: 0.104, 10: 0.108, 20: 0.116}.items():
+        c.add(0, rows, s)
+    for rows, s in {1: 0.060, 4: 0.062}.items():  # a draft step of 4 rows costs what one of 1 does
+        c.add_draft(0, s, rows)
+    opts = [_draft_options(0.7, 4) for _ in range(4)]
+    # Alone, 0.7 acceptance does not pay for a draft step of 60% of a target pass ...
+    assert plan_step(opts[:1], c) == [0]
+    # ... but four requests sharing each draft pass do: all of them draft.
+    plan = plan_step(opts, c)
+    assert all(j > 0 for j in plan)
+
+
+def test_one_off_catch_up_work_keeps_short_requests_plain():
+    c = _cpu_like()
+    policy = AdaptiveK(enabled=True, costs=c)
+    acc = Acceptance(decay=1.0, first_ok=8, first_n=10, next_ok=8, next_n=10)
+
+    def request(prompt: int, output: int = 0, draft_computed: int = 0):
+        from types import SimpleNamespace
+        return SimpleNamespace(all_token_ids=[1] * (prompt + output), num_output_tokens=output,
+                               draft_computed=draft_computed, acceptance=Acceptance(**acc.__dict__),
+                               lookup_acceptance=Acceptance())
+
+    # The draft model has not seen this 400-token prompt: its prefill costs what ~6 target steps do. With 8
+    # tokens left it cannot pay for itself; with 400 left it does, and a draft already caught up drafts.
+    assert policy.plan([request(400)], [7], [0], [4]) == [(False, 0)]
+    assert policy.plan([request(400)], [399], [0], [4])[0][1] > 0
+    assert policy.plan([request(400, 2, draft_computed=401)], [7], [0], [4])[0][1] > 0
+
+
+def test_probes_only_where_acceptance_is_what_keeps_speculation_off():
+    from types import SimpleNamespace
+
+    c = _cpu_like()
+    policy = AdaptiveK(enabled=True, costs=c)
+
+    def requests(n: int, rate: float):
+        low = Acceptance(decay=1.0, first_ok=rate * 50, first_n=50, next_ok=rate * 50, next_n=50)
+        return [SimpleNamespace(all_token_ids=[1] * 50, num_output_tokens=0, draft_computed=50,
+                                acceptance=Acceptance(**low.__dict__), lookup_acceptance=Acceptance())
+                for _ in range(n)]
+
+    alone = requests(1, 0.05)  # rarely accepted: off, but probed now and then
+    ks = [policy.plan(alone, [100], [0], [4])[0][1] for _ in range(PROBE_EVERY * 3)]
+    assert ks.count(1) == 2 and set(ks) == {0, 1}
+    crowd = requests(16, 0.8)  # well accepted, but the batch's rows are too dear: never probed
+    for _ in range(PROBE_EVERY * 3):
+        assert all(k == 0 for _, k in policy.plan(crowd, [100] * 16, [0] * 16, [4] * 16))
+    assert all(r.acceptance.steps_without_spec == 0 for r in crowd)

@@ -19,6 +19,16 @@ the counts seen on earlier requests, not a guess.
 Drafts looked up in the prompt (n-gram) and drafts from a draft model succeed at very different rates in
 the same text, so each kind has its own counts, its own probing and its own engine-wide prior; with
 ``ngram_first`` a request may look up deep while its draft model is off, or the other way round.
+
+In a batch, one step verifies every request's rows in one target pass and drafts for all of them in shared
+draft passes, so k is chosen for the whole step at once (``plan_step``): the cost is the target pass over the
+batch's total rows plus the batched draft passes, both calibrated by row count up to the engine's batch, and
+the plan is the set of per-request choices with the most expected tokens per second for the step. Where the
+batch makes the target pass compute-bound (a few requests on a CPU), every extra row costs about what a plain
+token does, and the plan falls back to plain decoding without any hand-set batch-size limit. The draft
+model's first pass for a request feeds every token it has not seen (its prompt, the first time): that
+one-off cost is spread over the tokens the request is expected to have left (its budget, and the lengths of
+finished requests), so a short answer never pays for a draft prefill it cannot earn back.
 """
 from __future__ import annotations
 
@@ -41,6 +51,8 @@ _NEUTRAL_WEIGHT = 1.0  # pseudo-trials at 0.7 in the engine-wide estimate
 _MARGIN_OFF, _MARGIN_DEEPER = 1.10, 1.02
 PROBE_EVERY = 8        # steps at k = 0 before the first probe
 MAX_PROBE_EVERY = 64
+_LEN_PRIOR, _LEN_PRIOR_WEIGHT = 128.0, 2.0  # output tokens a request is taken to run before any has finished
+_MIN_LEFT = 16.0
 
 
 @dataclass
@@ -107,14 +119,31 @@ class CostModel:
     only the ratios between them matter to ``choose_k``."""
     verify: dict[int, dict[int, float]] = field(default_factory=dict)  # context -> rows -> seconds per pass
     draft: dict[int, float] = field(default_factory=dict)              # context -> seconds per draft step
+    # context -> rows -> seconds of a draft pass over that many rows (a batched draft step has one row per
+    # drafting request; a catch-up after the draft sat out has one per token it missed)
+    draft_rows: dict[int, dict[int, float]] = field(default_factory=dict)
     prior: Acceptance = field(default_factory=_prior)         # draft-model acceptance over all requests
     lookup_prior: Acceptance = field(default_factory=_prior)  # the same for drafts looked up in the context
+    # (table, rows) -> {context: seconds}: a step plan prices many row counts, every step (cleared by add*)
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     def add(self, context: int, rows: int, seconds: float) -> None:
         self.verify.setdefault(context, {})[rows] = seconds
+        self._memo.clear()
 
-    def add_draft(self, context: int, seconds: float) -> None:
-        self.draft[context] = seconds
+    def add_draft(self, context: int, seconds: float, rows: int = 1) -> None:
+        if rows == 1:
+            self.draft[context] = seconds
+        self.draft_rows.setdefault(context, {})[rows] = seconds
+        self._memo.clear()
+
+    def _by_context(self, draft: bool, rows: int) -> dict[int, float]:
+        key = (draft, rows)
+        v = self._memo.get(key)
+        if v is None:
+            tables = self.draft_rows if draft else self.verify
+            v = self._memo[key] = {c: _rows_cost(t, rows) for c, t in tables.items()}
+        return v
 
     def prior_of(self, lookup: bool) -> Acceptance:
         return self.lookup_prior if lookup else self.prior
@@ -139,9 +168,13 @@ class CostModel:
     def verify_cost(self, rows: int, context: int = 0) -> float | None:
         """Seconds for a pass over `rows` rows after `context` tokens, interpolated between calibrated row
         counts and contexts, and never below the cost of fewer rows."""
-        return _across_contexts({c: _rows_cost(t, rows) for c, t in self.verify.items()}, context)
+        return _across_contexts(self._by_context(False, rows), context)
 
-    def draft_cost(self, context: int = 0) -> float | None:
+    def draft_cost(self, context: int = 0, rows: int = 1) -> float | None:
+        """Seconds of a draft pass over `rows` rows after `context` tokens (one step of `rows` requests). Without
+        a calibration of several row counts, a batched draft step is taken to cost what one row does."""
+        if rows > 1 and any(len(t) > 1 for t in self.draft_rows.values()):
+            return _across_contexts(self._by_context(True, rows), context)
         return _across_contexts(self.draft, context)
 
 
@@ -179,54 +212,85 @@ def _across_contexts(by_context: dict[int, float], context: int) -> float | None
     return _linear(context, lo, by_context[lo], hi, by_context[hi])
 
 
-def calibration_rows(k_max: int) -> list[int]:
-    """Row counts timed by ``calibrate``: 1-3, then doubling, and k_max + 1 (the rest is interpolated)."""
+MAX_CALIBRATED_ROWS = 256  # beyond this a pass's cost is extrapolated (it is linear in the rows by then)
+_BIG = 16                  # passes over more rows are timed fewer times: they last long enough to be steady
+
+
+def calibration_rows(k_max: int, batch: int = 1) -> list[int]:
+    """Row counts of the target passes ``calibrate`` times: 1-3, then doubling, and k_max + 1 (one request's
+    verification); with a batch of more than one request, also ``batch`` (a plain step of all of them) and
+    doubling on to batch * (k_max + 1) (every request drafting k_max), at most MAX_CALIBRATED_ROWS. The rest is
+    interpolated."""
     rows, r = {1, 2, 3, k_max + 1}, 3
     while r < k_max + 1:
         r = 2 * r - 1
         rows.add(min(r, k_max + 1))
-    return sorted(x for x in rows if x <= k_max + 1)
+    rows = {x for x in rows if x <= k_max + 1}
+    if batch > 1:
+        top = min(batch * (k_max + 1), MAX_CALIBRATED_ROWS)
+        rows.add(min(batch, top))
+        r = k_max + 1
+        while r < top:
+            r = min(2 * r, top)
+            rows.add(r)
+    return sorted(rows)
+
+
+def draft_calibration_rows(batch: int = 1) -> list[int]:
+    """Row counts of the draft passes ``calibrate`` times: one batched draft step per power of two up to
+    ``batch`` requests, and a long pass (what catching up on many missed tokens, or a draft prefill, costs)."""
+    rows, r = {1}, 1
+    while r < batch:
+        r = min(2 * r, batch)
+        rows.add(r)
+    return sorted(rows | {64})
 
 
 def calibrate(target, draft, k_max: int, max_len: int, repeats: int = 5,
-              contexts: tuple[int, ...] = (32, 512)) -> CostModel:
-    """Time target passes over 1..k_max+1 rows (see calibration_rows) and, with a draft runner, one draft
-    step, after each of a short and a long context, on cache slot 0 (call it while no request runs: the
-    slot's content is left as scratch). Each round times every row count and the draft step back to back,
-    after one untimed warm-up round."""
+              contexts: tuple[int, ...] = (32, 512), batch: int = 1) -> CostModel:
+    """Time target passes over the rows of calibration_rows(k_max, batch) and, with a draft runner, draft
+    passes over draft_calibration_rows(batch), after each of a short and a long context, on cache slot 0 (call
+    it while no request runs: the slot's content is left as scratch). Each round times every row count back
+    to back, after one untimed warm-up round; passes over many rows are timed once. Rows of one
+    slot stand in for rows of many requests: the weights are read once per pass either way."""
     import torch
 
     k_max = max(1, min(k_max, max_len - 2))  # a context of at least 1 plus k_max + 1 rows must fit
-    sizes = calibration_rows(k_max)
     costs = CostModel()
     gen = torch.Generator().manual_seed(0)
     vocab = min(target.vocab_size, draft.vocab_size if draft is not None else target.vocab_size)
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
     for ctx in sorted({max(1, min(c, max_len - k_max - 2)) for c in contexts}):
-        ids = torch.randint(0, vocab, (ctx + k_max + 1,), generator=gen).tolist()
+        sizes = [n for n in calibration_rows(k_max, batch) if ctx + n <= max_len]
+        dsizes = [n for n in draft_calibration_rows(batch) if ctx + n <= max_len] if draft is not None else []
+        passes = [(False, target, n) for n in sizes] + [(True, draft, n) for n in dsizes]
+        ids = torch.randint(0, vocab, (ctx + max(sizes + dsizes),), generator=gen).tolist()
         with torch.inference_mode():
             target.prefill(0, ids[:ctx])
             if draft is not None:
                 draft.prefill(0, ids[:ctx])
-            times: dict[int, list[float]] = {n: [] for n in sizes + [0]}  # 0: the draft step
+            times: dict[tuple[bool, int], list[float]] = {(d, n): [] for d, _, n in passes}
             for rnd in range(repeats + 1):
-                for n in sizes + ([0] if draft is not None else []):
-                    runner, rows = (target, ids[ctx:ctx + n]) if n else (draft, ids[ctx:ctx + 1])
+                for is_draft, runner, n in passes:
+                    if n > _BIG and rnd != 1:
+                        continue  # long enough to be steady in one go, after the small passes warmed up
+                    # a verification needs every row's logits; a draft step one per request, a catch-up one
+                    all_logits = not is_draft or n <= batch
                     sync()
                     t0 = time.perf_counter()
-                    out = runner.forward_rows([(0, ctx, rows)], all_logits=n > 0)
+                    out = runner.forward_rows([(0, ctx, ids[ctx:ctx + n])], all_logits=all_logits)
                     int(out[0][-1].argmax())  # the step's own use of its logits (and a device sync)
                     if rnd:
-                        times[n].append(time.perf_counter() - t0)
+                        times[(is_draft, n)].append(time.perf_counter() - t0)
         # Each cost is its fastest round. Interference from other work on the machine only ever slows a
         # pass down, so the minimum is the steadiest estimate of a pass's own cost (medians of per-round
         # ratios still moved the draft/verify ratio by 0.26-0.41 between calibrations).
-        for n, ts in times.items():
+        for (is_draft, n), ts in times.items():
             if ts:
-                if n:
-                    costs.add(ctx, n, min(ts))
+                if is_draft:
+                    costs.add_draft(ctx, min(ts), n)
                 else:
-                    costs.add_draft(ctx, min(ts))
+                    costs.add(ctx, n, min(ts))
     return costs
 
 
@@ -275,6 +339,182 @@ def next_k(k_max: int, acceptance: Acceptance, costs: CostModel, draft_is_free: 
     return 1
 
 
+# ---- one step's plan for the whole batch ----
+# A step runs one target pass over every request's rows and, if any request drafts with the draft model, a
+# few batched draft passes; both cost more the more rows they carry. Deciding each request's k on its own (as
+# choose_k does for one request) prices its rows as if it ran alone, which on a CPU, where a batch of a few
+# requests already makes the target pass compute-bound, makes speculation lose under load. So the plan
+# picks every request's option together, for the most expected tokens per second of the whole step.
+
+OPTIMISTIC_RATE = 0.9  # acceptance that would make drafting pay, for "is it the acceptance that says no?"
+
+
+@dataclass(frozen=True)
+class StepOption:
+    """One request's choice for a step: plain (k = 0), a lookup of k tokens, or k draft-model tokens."""
+    lookup: bool
+    k: int
+    tokens: float        # expected tokens emitted (its own token plus accepted drafts)
+    once: float = 0.0    # seconds of one-off work this step owes (a draft catch-up, spread over the request)
+
+    @property
+    def rows(self) -> int:
+        return 1 + self.k
+
+    @property
+    def draft_steps(self) -> int:
+        return 0 if self.lookup else self.k
+
+
+PLAIN = StepOption(False, 0, 1.0)
+
+
+class _StepCosts:
+    """The step's pass costs by row count at one context, looked up once per row count."""
+
+    def __init__(self, costs: CostModel, context: int):
+        self.costs, self.context = costs, context
+        self._verify: dict[int, float] = {}
+        self._draft: dict[int, float] = {}
+
+    def verify(self, rows: int) -> float:
+        v = self._verify.get(rows)
+        if v is None:
+            v = self._verify[rows] = self.costs.verify_cost(rows, self.context) or 0.0
+        return v
+
+    def draft(self, rows: int) -> float:
+        if rows <= 0:
+            return 0.0
+        v = self._draft.get(rows)
+        if v is None:
+            v = self._draft[rows] = self.costs.draft_cost(self.context, rows) or 0.0
+        return v
+
+
+def plan_step(options: list[list[StepOption]], costs: CostModel, context: int = 0,
+              start: list[int] | None = None) -> list[int]:
+    """Per request, the index of its option (options[i][0] must be plain) that together give the step the
+    most expected tokens per second: tokens of all requests / (a target pass over all their rows + the batched
+    draft passes + one-off work). Coordinate ascent from three starts (all plain; each request's best option
+    as if it ran alone; ``start``, e.g. the last step's plan), keeping the best end.
+
+    A request leaves plain decoding only if that raises the step's rate by its share (1/B) of a 10% margin, and
+    goes deeper only for its share of 2%: acceptance is an estimate and the machine's speed drifts (with one
+    request this is choose_k's rule). Uncalibrated costs: every request takes its deepest option."""
+    n = len(options)
+    if not n:
+        return []
+    if costs.verify_cost(1, context) is None:
+        return [len(o) - 1 for o in options]
+    sc = _StepCosts(costs, context)
+    solo = [_best_alone(opts, sc) for opts in options]
+    if n == 1:
+        return solo
+    starts = [[0] * n, solo] + ([list(start)] if start is not None and len(start) == n else [])
+    # Draft passes are shared: a draft step that does not pay for one request may pay for all of them, which
+    # ascent from one request at a time cannot find. So also start with everyone drafting 1, and the most.
+    top = max((o.draft_steps for opts in options for o in opts), default=0)
+    for depth in sorted({1, top} - {0}):
+        starts.append([_draft_index(opts, depth, j) for opts, j in zip(options, solo)])
+    best, best_rate, seen = None, -1.0, set()
+    for s in starts:
+        s = [min(j, len(o) - 1) for j, o in zip(s, options)]
+        if tuple(s) in seen:
+            continue
+        seen.add(tuple(s))
+        plan, rate = _ascend(options, sc, s)
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = plan, rate
+    return best
+
+
+class _Batch:
+    """Running sums of a plan, so that one request's options can all be priced against the others' in
+    O(options + draft depth)."""
+
+    def __init__(self, options: list[list[StepOption]], sc: _StepCosts, plan: list[int]):
+        self.options, self.sc, self.plan = options, sc, list(plan)
+        self.tokens = self.once = 0.0
+        self.rows = 0
+        self.depth = [0] * (1 + max((o.draft_steps for opts in options for o in opts), default=0))
+        for i, j in enumerate(plan):
+            self._add(options[i][j], 1)
+
+    def _add(self, o: StepOption, sign: int) -> None:
+        self.tokens += sign * o.tokens
+        self.rows += sign * o.rows
+        self.once += sign * o.once
+        for s in range(1, o.draft_steps + 1):
+            self.depth[s] += sign
+
+    def set(self, i: int, j: int) -> None:
+        self._add(self.options[i][self.plan[i]], -1)
+        self.plan[i] = j
+        self._add(self.options[i][j], 1)
+
+    def rates(self, i: int, opts: list[StepOption] | None = None) -> list[float]:
+        """The step's tokens per second with request i's option replaced by each of ``opts`` (default: its
+        own options), the others' fixed."""
+        opts = opts if opts is not None else self.options[i]
+        cur = self.options[i][self.plan[i]]
+        tokens, rows, once = self.tokens - cur.tokens, self.rows - cur.rows, self.once - cur.once
+        draft, verify = self.sc.draft, self.sc.verify
+        # Draft passes without request i, and what its joining them for the first s steps adds (prefix sums).
+        others = [self.depth[s] - (s <= cur.draft_steps) for s in range(1, len(self.depth))]
+        base = sum(draft(d) for d in others)
+        join = [0.0]
+        for d in others:
+            join.append(join[-1] + draft(d + 1) - draft(d))
+        out = []
+        for o in opts:
+            seconds = verify(rows + o.rows) + base + join[o.draft_steps] + once + o.once
+            out.append((tokens + o.tokens) / seconds if seconds > 0 else float("inf"))
+        return out
+
+    def rate(self) -> float:
+        return self.rates(0, [self.options[0][self.plan[0]]])[0]
+
+    def best_for(self, i: int, opts: list[StepOption] | None = None) -> int:
+        """Request i's best option index, the others' fixed: leaving plain decoding must gain its share (1/B)
+        of a 10% margin, going deeper its share of 2%."""
+        rates = self.rates(i, opts)
+        share = 1.0 / len(self.plan)
+        off, deeper = 1 + (_MARGIN_OFF - 1) * share, 1 + (_MARGIN_DEEPER - 1) * share
+        best_j, best = 0, rates[0]
+        for j in range(1, len(rates)):
+            if rates[j] > best * (off if best_j == 0 else deeper):
+                best_j, best = j, rates[j]
+        return best_j
+
+
+def _draft_index(opts: list[StepOption], depth: int, default: int) -> int:
+    """The index of the deepest draft-model option of at most ``depth`` tokens, else ``default``."""
+    best = default
+    for j, o in enumerate(opts):
+        if o.draft_steps and o.k <= depth and (not opts[best].draft_steps or o.k > opts[best].k):
+            best = j
+    return best
+
+
+def _best_alone(opts: list[StepOption], sc: _StepCosts) -> int:
+    return _Batch([opts], sc, [0]).best_for(0)
+
+
+def _ascend(options: list[list[StepOption]], sc: _StepCosts, plan: list[int], sweeps: int = 3):
+    b = _Batch(options, sc, plan)
+    for _ in range(sweeps):
+        changed = False
+        for i in range(len(options)):
+            j = b.best_for(i)
+            if j != b.plan[i]:
+                b.set(i, j)
+                changed = True
+        if not changed:
+            break
+    return b.plan, b.rate()
+
+
 _CALIBRATED: dict[str, "CostModel"] = {}  # this process's calibrations by calibration_key
 
 
@@ -286,6 +526,7 @@ class AdaptiveK:
     def __init__(self, enabled: bool = False, costs: CostModel | None = None):
         self.enabled = enabled
         self.costs = costs if costs is not None else CostModel()
+        self._len_sum = self._len_n = 0.0  # decayed output lengths of finished requests
 
     def calibrate(self, target, draft, k_max: int, max_len: int, identity: dict[str, Any],
                   refresh: bool = False) -> CostModel:
@@ -297,14 +538,16 @@ class AdaptiveK:
         from specdecode.models.default_models import cache_dir
 
         k_max = max(1, min(k_max, max_len - 2))
+        batch = _batch_size(target)
         parts = dict(identity, target=_file_identity(identity.get("target")),
                      draft=_file_identity(identity.get("draft")) if draft is not None else None,
-                     rows=calibration_rows(k_max), max_len=max_len)
+                     rows=calibration_rows(k_max, batch), max_len=max_len,
+                     draft_rows=draft_calibration_rows(batch) if draft is not None else None)
         key = calibration_key(parts)
         if refresh or key not in _CALIBRATED:
             t0 = time.perf_counter()
-            costs, hit = cached_calibration(key, lambda: calibrate(target, draft, k_max, max_len), cache_dir(),
-                                            refresh)
+            costs, hit = cached_calibration(key, lambda: calibrate(target, draft, k_max, max_len, batch=batch),
+                                            cache_dir(), refresh)
             if not hit:
                 logger.info("Calibrated adaptive speculation costs in %.1f s (kept for later starts)",
                             time.perf_counter() - t0)
@@ -312,12 +555,108 @@ class AdaptiveK:
         self.costs = copy.deepcopy(_CALIBRATED[key])
         return self.costs
 
-    def choose(self, r, cap: int, lookup: bool) -> int:
-        """k for r's drafts of one kind: the cap, or the best k for that kind's own acceptance."""
-        if not (cap and self.enabled):
-            return cap
-        return next_k(cap, r.lookup_acceptance if lookup else r.acceptance, self.costs, lookup,
-                      len(r.all_token_ids))
+    def plan(self, requests: list, budgets: list[int], lookup_ks: list[int], draft_ks: list[int]
+             ) -> list[tuple[bool, int]]:
+        """Per request, (looked_up, k) for this step: request i may look up at most lookup_ks[i] tokens (what
+        its lookup found) or draft at most draft_ks[i] with the draft model; ``budgets`` are the engine's (what
+        each may still emit). Without adaptive k: a lookup found is a lookup used, else the draft model's cap.
+
+        With it, plan_step weighs every request's options together (the step's whole target pass and the
+        batch's draft passes), then each request that ends up at k = 0 for a kind it could use keeps that
+        kind's probing: a request in a run drafts one more token, and one at k = 0 is probed with k = 1 now and
+        then, waiting twice as long after each probe that did not bring speculation back (see next_k). Both
+        only where acceptance is what keeps it off: where even well-accepted drafts would not pay for their
+        rows at this batch's costs, a probe could teach nothing worth its price."""
+        if not self.enabled:
+            return [(True, lk) if lk else (False, dk) for lk, dk in zip(lookup_ks, draft_ks)]
+        n = len(requests)
+        if not n:
+            return []
+        context = sum(len(r.all_token_ids) for r in requests) // n
+        sc = _StepCosts(self.costs, context)
+        options, starts = [], []
+        for r, budget, lk, dk in zip(requests, budgets, lookup_ks, draft_ks):
+            opts = [PLAIN] + self._options(r, True, lk, budget, sc) + self._options(r, False, dk, budget, sc)
+            options.append(opts)
+            last = getattr(r, "spec_plan", None)
+            starts.append(next((j for j, o in enumerate(opts) if last == (o.lookup, o.k)), 0))
+        chosen = plan_step(options, self.costs, context, starts)
+        batch = _Batch(options, sc, chosen)
+        out = []
+        for i, (r, budget, lk, dk) in enumerate(zip(requests, budgets, lookup_ks, draft_ks)):
+            o = options[i][chosen[i]]
+            pick = (o.lookup, o.k)
+            if o.k:
+                acc = r.lookup_acceptance if o.lookup else r.acceptance
+                acc.steps_without_spec, acc.probe_every = 0, PROBE_EVERY
+            else:
+                pick = self._probe(r, i, batch, budget, sc, lk, dk)
+            r.spec_plan = pick
+            out.append(pick)
+        return out
+
+    def _options(self, r, lookup: bool, cap: int, budget: int, sc: _StepCosts,
+                 rates: tuple[float, float] | None = None) -> list[StepOption]:
+        """r's options of one kind, k = 1..cap, with their expected tokens (from ``rates``, by default r's own
+        acceptance of that kind) and, for the draft model, the one-off catch-up it owes this step."""
+        if cap <= 0:
+            return []
+        p1, q = rates if rates is not None else (
+            (r.lookup_acceptance if lookup else r.acceptance).rates(self.costs.prior_of(lookup)))
+        lag = 0
+        if not lookup:
+            done = getattr(r, "draft_computed", 0)
+            lag = len(r.all_token_ids) - done if done else len(r.all_token_ids)
+        # The draft model's first pass feeds what it has not seen yet: one token after a step it drafted in,
+        # the whole context the first time (its prefill) or after sitting out. That extra work buys drafts for
+        # the rest of the request, so it is spread over the steps the request is expected to have left.
+        extra = max(0.0, sc.draft(lag) - sc.draft(1)) if lag > 1 else 0.0
+        left = max(1.0, min(budget + 1, self.expected_left(r)))
+        out = []
+        for k in range(1, cap + 1):
+            e = expected_tokens(p1, q, k)
+            out.append(StepOption(lookup, k, e, extra * e / left if extra else 0.0))
+        return out
+
+    def _probe(self, r, i: int, batch: "_Batch", budget: int, sc: _StepCosts, lk: int, dk: int
+               ) -> tuple[bool, int]:
+        """The plan left r at k = 0: k = 1 of a kind it could use if that kind is in a run or due for a probe,
+        where well-accepted drafts of that kind would pay (see plan); else plain."""
+        for lookup, cap in ((True, lk), (False, dk)):
+            if not cap:
+                continue
+            acc = r.lookup_acceptance if lookup else r.acceptance
+            hope = max(OPTIMISTIC_RATE, *acc.rates(self.costs.prior_of(lookup)))
+            if not batch.best_for(i, opts=[PLAIN] + self._options(r, lookup, cap, budget, sc, (hope, hope))):
+                continue  # its rows cost too much at this batch: no acceptance would pay for them
+            if acc.in_run:
+                return lookup, 1  # see next_k: a run's own rate must stay observed
+            acc.steps_without_spec += 1
+            if acc.steps_without_spec >= acc.probe_every:
+                acc.steps_without_spec = 0
+                acc.probe_every = min(2 * acc.probe_every, MAX_PROBE_EVERY)
+                return lookup, 1
+        return False, 0
+
+    def expected_left(self, r) -> float:
+        """Tokens r is expected to emit from here: what finished requests emitted on average, less what r has,
+        but at least _MIN_LEFT (a request that outlives the average is not about to end)."""
+        done = getattr(r, "num_output_tokens", 0)
+        return max(_MIN_LEFT, self.mean_output_tokens - done)
+
+    @property
+    def mean_output_tokens(self) -> float:
+        return (self._len_sum + _LEN_PRIOR * _LEN_PRIOR_WEIGHT) / (self._len_n + _LEN_PRIOR_WEIGHT)
+
+    def finished(self, r) -> None:
+        """r is done: its length teaches how long requests run (for spreading one-off draft work). Once per
+        request, however many proposers (a hybrid and its parts) report it."""
+        if getattr(r, "spec_finished", False):
+            return
+        r.spec_finished = True
+        self._len_sum = _PRIOR_DECAY * self._len_sum + getattr(r, "num_output_tokens", 0)
+        self._len_n = _PRIOR_DECAY * self._len_n + 1
+        r.spec_plan = None
 
     def lookup_depth(self, r, cap: int) -> int:
         """How deep a lookup may draft for r without touching its probing state: the cap, or the best k for
@@ -326,15 +665,6 @@ class AdaptiveK:
             return cap
         return choose_k(*r.lookup_acceptance.rates(self.costs.lookup_prior), cap, self.costs, True,
                         len(r.all_token_ids))
-
-    def draft_model_wins(self, r, lookup_k: int, draft_k: int) -> bool:
-        """Whether the draft model drafting draft_k tokens is expected to give more tokens/s for r than a
-        lookup of lookup_k tokens (only ever with adaptive k: without it a lookup found is a lookup used)."""
-        if not (self.enabled and lookup_k and draft_k):
-            return False
-        ctx = len(r.all_token_ids)
-        return (self.costs.expected_rate(r.lookup_acceptance, lookup_k, True, ctx)
-                < self.costs.expected_rate(r.acceptance, draft_k, False, ctx))
 
     def learn(self, r, drafted: list[int], accepted: int, looked_up: bool, found: list[int],
               emitted: list[int], copied_from: int | None) -> None:
@@ -368,9 +698,19 @@ class AdaptiveK:
 # A calibration times passes for a few seconds; its result only depends on the models' files, the weight
 # formats, the CPU and kernel path and the thread count, so it is kept per such key and reused by every later
 # engine start. Bump the version when what calibrate() measures changes.
-_COSTS_VERSION = 1
+_COSTS_VERSION = 2  # 2: batch row counts, and draft passes over several rows
 _COSTS_FILE = "adaptive_costs.json"
 _MAX_CACHED_COSTS = 64
+
+
+def _batch_size(runner) -> int:
+    """How many requests the runner's cache holds at once (the largest batch a step can have)."""
+    kv = getattr(runner, "kv_cache", None)
+    for name in ("num_slots", "max_num_seqs"):
+        n = getattr(kv, name, None) or getattr(runner, name, None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return 1
 
 
 def _file_identity(path: str | os.PathLike | None) -> list:
@@ -414,7 +754,8 @@ def model_identity(path) -> list:
 
 def _costs_to_json(c: CostModel) -> dict:
     return {"verify": {str(ctx): {str(r): s for r, s in t.items()} for ctx, t in c.verify.items()},
-            "draft": {str(ctx): s for ctx, s in c.draft.items()}}
+            "draft": {str(ctx): s for ctx, s in c.draft.items()},
+            "draft_rows": {str(ctx): {str(r): s for r, s in t.items()} for ctx, t in c.draft_rows.items()}}
 
 
 def _costs_from_json(d: dict) -> CostModel:
@@ -428,6 +769,11 @@ def _costs_from_json(d: dict) -> CostModel:
         if not (isinstance(s, (int, float)) and s > 0):
             raise ValueError("bad cost entry")
         c.add_draft(int(ctx), float(s))
+    for ctx, table in d.get("draft_rows", {}).items():
+        for rows, s in table.items():
+            if not (isinstance(s, (int, float)) and s > 0):
+                raise ValueError("bad cost entry")
+            c.add_draft(int(ctx), float(s), int(rows))
     if not c.verify:
         raise ValueError("empty cost entry")
     return c

@@ -120,7 +120,7 @@ class DraftModelProposer(Proposer):
 
     def propose(self, requests: list, budgets: list[int]) -> Proposal:
         caps = self.caps(budgets)
-        ks = [self.policy.choose(r, cap, lookup=False) for r, cap in zip(requests, caps)]
+        ks = [k for _, k in self.policy.plan(requests, budgets, [0] * len(requests), caps)]
         # With a confidence threshold the draft's own probabilities decide how deep it goes: adaptive k only
         # decides whether the draft model runs at all.
         return self.draft(requests, [cap if k else 0 for k, cap in zip(ks, caps)] if self.confidence else ks)

@@ -65,18 +65,17 @@ class HybridProposer(Proposer):
         if not any(caps) and not any(lookup_caps):
             return Proposal([[] for _ in requests])
         policy = self.policy
-        ks = [policy.choose(r, cap, lookup=False) for r, cap in zip(requests, caps)]
+        found = [self.lookup.find(r, r.all_token_ids, cap) if cap else [] for r, cap in zip(requests, lookup_caps)]
+        # One plan for the batch: per request a lookup, the draft model or neither (see AdaptiveK.plan).
+        plan = policy.plan(requests, budgets, [len(f) for f in found], caps)
+        use, ks = [], []
+        for r, f, (looked_up, k) in zip(requests, found, plan):
+            use.append(f[:k] if looked_up else [])
+            ks.append(0 if looked_up else k)
+            r.proposer_step.found, r.proposer_step.looked_up = f, bool(looked_up and k)
         # With a confidence threshold the draft's own probabilities decide how deep it goes: adaptive k only
-        # decides whether the draft model runs at all (and is what a lookup is compared with below).
+        # decides whether the draft model runs at all.
         depths = [cap if k else 0 for k, cap in zip(ks, caps)] if self.draft.confidence else ks
-        use = []
-        for r, cap, k in zip(requests, lookup_caps, ks):
-            found = self.lookup.find(r, r.all_token_ids, cap) if cap else []
-            kl = policy.choose(r, cap, lookup=True) if found else 0
-            if policy.draft_model_wins(r, min(kl, len(found)), k):
-                kl = 0  # the draft model is expected to do better here than a copy from the context
-            use.append(found[:kl])
-            r.proposer_step.found, r.proposer_step.looked_up = found, bool(kl and found)
         depth: dict[int, int] = {}  # request -> lookup depth, fixed for the step: one estimate per request
 
         def extend(i: int, drafted: list[int]) -> list[int]:
@@ -114,5 +113,6 @@ class HybridProposer(Proposer):
         self.draft.rollback(request, length)
 
     def finish(self, request) -> None:
+        self.policy.finished(request)
         self.lookup.finish(request)
         self.draft.finish(request)

@@ -39,8 +39,7 @@ class NgramProposer(Proposer):
         return ngram_lookup(tokens, k, self.n_min, self.n_max)
 
     def propose(self, requests: list, budgets: list[int]) -> Proposal:
-        ks = [self.policy.choose(r, cap, lookup=True) for r, cap in zip(requests, self.caps(budgets))]
-        return Proposal([self.find(r, r.all_token_ids, k) if k > 0 else [] for r, k in zip(requests, ks)])
+        return self.propose_lookups(requests, budgets)
 
     def observe(self, request, drafted: list[int], accepted: int, emitted: list[int]) -> None:
         self.policy.learn(request, drafted, accepted, True, [], emitted, None)

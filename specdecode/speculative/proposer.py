@@ -75,6 +75,15 @@ class Proposer:
 
     def finish(self, request) -> None:
         """The request is done (its output is complete)."""
+        self.policy.finished(request)
+
+    def propose_lookups(self, requests: list, budgets: list[int]) -> Proposal:
+        """``propose`` for a model-free proposer with ``find(request, tokens, k)``: each request's lookup up to
+        its cap, cut to the depth the policy's plan for the batch gives it."""
+        caps = self.caps(budgets)
+        found = [self.find(r, r.all_token_ids, cap) if cap else [] for r, cap in zip(requests, caps)]
+        plan = self.policy.plan(requests, budgets, [len(f) for f in found], [0] * len(requests))
+        return Proposal([f[:k] for f, (_, k) in zip(found, plan)])
 
     @property
     def draft_runner(self):

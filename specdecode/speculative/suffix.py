@@ -129,13 +129,13 @@ class SuffixProposer(Proposer):
 
     # ---- the proposer calls ----
     def propose(self, requests: list, budgets: list[int]) -> Proposal:
-        ks = [self.policy.choose(r, cap, lookup=True) for r, cap in zip(requests, self.caps(budgets))]
-        return Proposal([self.find(r, r.all_token_ids, k) if k > 0 else [] for r, k in zip(requests, ks)])
+        return self.propose_lookups(requests, budgets)
 
     def observe(self, request, drafted: list[int], accepted: int, emitted: list[int]) -> None:
         self.policy.learn(request, drafted, accepted, True, [], emitted, None)
 
     def finish(self, request) -> None:
+        super().finish(request)
         self.cache.add(request.prompt_token_ids, request.output_token_ids)
         request.suffix_index = None
 
