@@ -62,7 +62,8 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
 
 def chat(url: str, messages: list[dict], max_tokens: int) -> tuple[float, str]:
     """(TTFT seconds, answer) of one streaming greedy chat request."""
-    body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     t0 = time.perf_counter()
     ttft, parts = None, []
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=900) as r:
