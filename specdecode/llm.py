@@ -92,19 +92,28 @@ class LLM:
         pending = list(enumerate(work))
         bar = tqdm(total=len(work), desc="Generating", unit="req", file=sys.stderr,
                    disable=not (use_tqdm and sys.stderr.isatty()))
-        with bar:
-            while pending or eng.has_unfinished_requests():
-                # Offline: keep the queue short so huge prompt lists never hit the waiting limit.
-                while pending and len(eng.scheduler.waiting) < eng.config.max_num_seqs:
-                    i, (text, enc, p) = pending.pop(0)
-                    rid = str(self._next_id)
-                    self._next_id += 1
-                    ids.append(rid)
-                    eng.add_request(rid, text, p, prompt_token_ids=enc)
-                for out in eng.step():
-                    if out.finished:
-                        results[out.request_id] = out
-                        bar.update(1)
+        try:
+            with bar:
+                while pending or eng.has_unfinished_requests():
+                    # Offline: keep the queue short so huge prompt lists never hit the waiting limit.
+                    while pending and len(eng.scheduler.waiting) < eng.config.max_num_seqs:
+                        i, (text, enc, p) = pending.pop(0)
+                        rid = str(self._next_id)
+                        self._next_id += 1
+                        eng.add_request(rid, text, p, prompt_token_ids=enc)
+                        ids.append(rid)
+                    for out in eng.step():
+                        if out.finished:
+                            results[out.request_id] = out
+                            bar.update(1)
+        except BaseException:
+            # A bad prompt further down the list, or Ctrl+C: the call's requests already added leave the engine,
+            # so that the next call starts clean.
+            for rid in ids:
+                eng.abort_request(rid)
+            if eng.has_unfinished_requests():
+                eng.step()
+            raise
         return [results[r] for r in ids]
 
 

@@ -192,13 +192,15 @@ def test_min_tokens_under_a_grammar(engines, sharp_target):
     assert all(run == runs["none"] for run in runs.values()), runs
 
 
-def test_logit_bias_outside_vocabulary_fails_the_request_alone(engines, sharp_target):
+def test_logit_bias_outside_vocabulary_is_refused_when_added(engines, sharp_target):
     llm = engines(sharp_target, "none")
-    outs = llm.generate(prompt_token_ids=[PROMPT, PROMPT], use_tqdm=False, sampling_params=[
-        SamplingParams(temperature=0, max_tokens=4, logit_bias={10 ** 6: 1.0}),
-        SamplingParams(temperature=0, max_tokens=4)])
-    assert outs[0].outputs[0].finish_reason == "error" and "logit_bias" in (outs[0].error or "")
-    assert outs[1].outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="logit_bias names token id 1000000, outside the vocabulary"):
+        llm.generate(prompt_token_ids=[PROMPT], use_tqdm=False,
+                     sampling_params=SamplingParams(temperature=0, max_tokens=4, logit_bias={10 ** 6: 1.0}))
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate(prompt_token_ids=[PROMPT], use_tqdm=False, sampling_params=SamplingParams(temperature=0,
+                                                                                                max_tokens=4))
+    assert out[0].outputs[0].finish_reason == "length"
 
 
 # ---------------------------------------------------------------- sampling: the processed target, exactly
@@ -327,3 +329,13 @@ def test_server_rejects_bad_values_by_name(server, route, extra, needle):
     assert needle in err["message"], err
     assert err["param"] is None or err["param"].split(".")[0] in ("logit_bias", "min_tokens"), err
     assert httpx.get(f"{server}/health").status_code == 200
+
+
+def test_a_bad_prompt_later_in_the_list_leaves_the_engine_clean(engines, sharp_target):
+    llm = engines(sharp_target, "none")
+    good = SamplingParams(temperature=0, max_tokens=4)
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate(prompt_token_ids=[PROMPT, PROMPT], use_tqdm=False, sampling_params=[
+            good, SamplingParams(temperature=0, max_tokens=4, logit_bias={10 ** 6: 1.0})])
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.pool.num_used_blocks == 0

@@ -192,6 +192,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self._parents:
             raise ValueError(f"Request id {request_id!r} is already in use.")
+        if params.logit_bias and max(params.logit_bias) >= self.target.vocab_size:
+            raise ValueError(f"logit_bias names token id {max(params.logit_bias)}, outside the vocabulary "
+                             f"(ids 0..{self.target.vocab_size - 1}).")
         ids = self.encode_prompt(prompt, prompt_token_ids)
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
