@@ -266,7 +266,7 @@ OPTIONS: tuple[Option, ...] = (
            bench=False),
     Option("max_num_batched_tokens", "tokens one engine step computes: the running requests' verification rows, "
            "then chunks of new prompts up to this budget (chunked prefill)", parse=_int_in(16),
-           default="512", kwargs=("chunked_prefill_size",),
+           default="256", kwargs=("chunked_prefill_size",),
            flags=("--max-num-batched-tokens", "--chunked-prefill-size", "-b", "--batch-size"), metavar="N",
            bench=False),
     Option("kv_cache_memory", "KV cache budget in GiB, target and draft together (blocks are taken as tokens "

@@ -31,7 +31,7 @@ __all__ = ["LLMEngine", "QueueFullError"]
 # Prompt tokens one step may prefill (with the running requests' verification rows) unless
 # max_num_batched_tokens says otherwise: chunks this size keep streams moving during a long prefill while
 # each chunk still amortises one read of the weights over many tokens.
-DEFAULT_BATCHED_TOKENS = 512
+DEFAULT_BATCHED_TOKENS = 256
 
 
 class LLMEngine:
