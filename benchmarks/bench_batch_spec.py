@@ -2,8 +2,9 @@
 
 One engine (``LLM()`` defaults, i.e. the FAST preset) serves the same chat prompts twice per round, once with
 the default speculative config and once with plain decoding (``set_speculative({"method": "none"})``), in
-alternating order. Each run keeps exactly C requests in flight (a closed loop, as C streaming clients do:
-when one finishes, the next prompt is admitted) and reports output tokens / wall second. Greedy outputs of the
+alternating order, wave by wave: each wave of C prompts runs with both configs back to back, C requests in
+flight (as C streaming clients sending at once), so that bursts of other work on the machine hit both alike.
+It reports output tokens / wall second. Greedy outputs of the
 two configs are compared token for token. Ratios, not absolute speeds, are the result: the machine is shared.
 
     python benchmarks/bench_batch_spec.py --concurrency 1,4,8 --max-tokens 128 --prompts 8 --rounds 2
@@ -37,28 +38,26 @@ def load_prompts(path: Path, categories: list[str], per_category: int) -> list[t
 
 
 def run_closed_loop(engine, prompts: list[list[int]], concurrency: int, max_tokens: int, tag: str):
-    """All prompts through ``engine`` with at most ``concurrency`` in flight; (seconds, outputs by index,
-    mean running batch)."""
+    """All prompts through ``engine`` with at most ``concurrency`` in flight; (wall seconds, outputs by index,
+    CPU seconds of this process)."""
     from specdecode.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     pending = list(range(len(prompts)))
     running: set[str] = set()
     outputs: dict[int, list[int]] = {}
-    batch_sizes = []
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     while pending or running:
         while pending and len(running) < concurrency:
             i = pending.pop(0)
             rid = f"{tag}-{i}"
             engine.add_request(rid, None, params, prompt_token_ids=prompts[i])
             running.add(rid)
-        batch_sizes.append(len(running))
         for out in engine.step():
             if out.finished:
                 running.discard(out.request_id)
                 outputs[int(out.request_id.rsplit("-", 1)[1])] = list(out.outputs[0].token_ids)
-    return time.perf_counter() - t0, outputs, statistics.fmean(batch_sizes)
+    return time.perf_counter() - t0, outputs, time.process_time() - c0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,19 +108,27 @@ def main(argv: list[str] | None = None) -> int:
     for mt in mts:
         for c in cs:
             times = {"on": [], "off": []}
+            cpu = {"on": 0.0, "off": 0.0}  # CPU seconds: less moved by other processes than wall time
             tokens = {}
             same = True
             for rnd in range(args.rounds):
-                order = [("on", spec_on), ("off", spec_off)]
-                if rnd % 2:
-                    order.reverse()
-                outs = {}
-                for name, spec in order:
-                    eng.set_speculative(spec)
-                    dt, out, mean_batch = run_closed_loop(eng, ids, c, mt, f"{name}{c}x{mt}r{rnd}")
-                    times[name].append(dt)
-                    outs[name] = out
-                    tokens[name] = sum(len(v) for v in out.values())
+                # Waves of C prompts, each run with both configs back to back (order alternating), so that a
+                # burst of other work on the machine hits both configs alike.
+                outs = {"on": {}, "off": {}}
+                spent = {"on": 0.0, "off": 0.0}
+                for w in range(0, len(ids), c):
+                    order = [("on", spec_on), ("off", spec_off)]
+                    if (rnd + w // c) % 2:
+                        order.reverse()
+                    for name, spec in order:
+                        eng.set_speculative(spec)
+                        dt, out, ct = run_closed_loop(eng, ids[w:w + c], c, mt, f"{name}{c}x{mt}r{rnd}w{w}")
+                        spent[name] += dt
+                        cpu[name] += ct
+                        outs[name].update({w + i: v for i, v in out.items()})
+                for name in ("on", "off"):
+                    times[name].append(spent[name])
+                    tokens[name] = sum(len(v) for v in outs[name].values())
                 same &= outs["on"] == outs["off"]
             ratio_per_round = [off / on for on, off in zip(times["on"], times["off"])]
             row = {"concurrency": c, "max_tokens": mt, "prompts": len(ids), "output_tokens": tokens["off"],
@@ -129,10 +136,12 @@ def main(argv: list[str] | None = None) -> int:
                    "tok_s_off": tokens["off"] / statistics.fmean(times["off"]),
                    "ratio_per_round": ratio_per_round,
                    "ratio": statistics.fmean(times["off"]) / statistics.fmean(times["on"]),
+                   "cpu_ratio": cpu["off"] / cpu["on"],
                    "identical": same}
             rows.append(row)
             print(f"C={c:2d} max_tokens={mt:3d}: on {row['tok_s_on']:.2f} tok/s, off {row['tok_s_off']:.2f} tok/s,"
                   f" ratio {row['ratio']:.3f} (rounds {', '.join(f'{r:.3f}' for r in ratio_per_round)}),"
+                  f" CPU-time ratio {row['cpu_ratio']:.3f},"
                   f" identical={same}", flush=True)
     eng.set_speculative(spec_on)
     print(f"# speculation over the run: {eng.spec_stats}", file=sys.stderr)

@@ -28,6 +28,9 @@ def test_expected_tokens():
 
 def test_uncalibrated_costs_use_the_full_k():
     assert choose_k(0.1, 0.1, 5, CostModel(), draft_is_free=False) == 5
+    opts = [PLAIN, StepOption(True, 1, 1.5), StepOption(True, 2, 1.7), StepOption(False, 1, 1.5),
+            StepOption(False, 4, 2.0)]
+    assert plan_step([opts, [PLAIN, StepOption(False, 1, 1.5), StepOption(False, 3, 2.0)]], CostModel()) == [2, 2]
 
 
 def test_low_acceptance_or_dear_drafts_turn_speculation_off():

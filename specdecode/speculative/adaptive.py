@@ -396,17 +396,18 @@ def plan_step(options: list[list[StepOption]], costs: CostModel, context: int = 
               start: list[int] | None = None) -> list[int]:
     """Per request, the index of its option (options[i][0] must be plain) that together give the step the
     most expected tokens per second: tokens of all requests / (a target pass over all their rows + the batched
-    draft passes + one-off work). Coordinate ascent from three starts (all plain; each request's best option
-    as if it ran alone; ``start``, e.g. the last step's plan), keeping the best end.
+    draft passes + one-off work). Coordinate ascent from a few starts (all plain; each request's best option
+    as if it ran alone; ``start``, e.g. the last step's plan; everyone drafting 1 and the most), keeping the
+    best end.
 
     A request leaves plain decoding only if that raises the step's rate by its share (1/B) of a 10% margin, and
     goes deeper only for its share of 2%: acceptance is an estimate and the machine's speed drifts (with one
-    request this is choose_k's rule). Uncalibrated costs: every request takes its deepest option."""
+    request this is choose_k's rule). Uncalibrated costs: a lookup's deepest option, else the draft model's."""
     n = len(options)
     if not n:
         return []
-    if costs.verify_cost(1, context) is None:
-        return [len(o) - 1 for o in options]
+    if costs.verify_cost(1, context) is None:  # as without adaptive k: a lookup found, else the draft's cap
+        return [max(range(len(o)), key=lambda j: (o[j].lookup, o[j].k)) for o in options]
     sc = _StepCosts(costs, context)
     solo = [_best_alone(opts, sc) for opts in options]
     if n == 1:
