@@ -71,6 +71,10 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
+    def blocks(self, slot: int) -> list[int]:
+        """The slot's blocks, in position order (do not modify)."""
+        return self._slot_blocks[slot]
+
     def held(self, slot: int) -> int:
         """Positions the blocks of ``slot`` cover."""
         return len(self._slot_blocks[slot]) * BLOCK_SIZE

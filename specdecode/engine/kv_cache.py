@@ -145,7 +145,7 @@ class KVCache:
         """(first block, None) when the blocks of positions [0, end) of ``slot`` are consecutive, else (0, the
         block indices)."""
         n = -(-end // BLOCK_SIZE)
-        held = self.pool._slot_blocks[slot][:n]
+        held = self.pool.blocks(slot)[:n]
         if len(held) < n:
             raise RuntimeError(f"KVCache.read: slot {slot} holds {len(held) * BLOCK_SIZE} positions, {end} asked")
         if held[-1] - held[0] == n - 1 and held == list(range(held[0], held[0] + n)):

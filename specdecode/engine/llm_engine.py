@@ -240,14 +240,15 @@ class LLMEngine:
             rows = self._rows
             touched.update((r.request_id, None) for r in decode)
         budget = self.max_num_batched_tokens - rows
+        first = True  # the first prompt in line always gets a chunk, so prefill progresses
         for r in [r for r in self.scheduler.running if r.prefilling and not r.finished]:
             if r.status is not Status.RUNNING:
                 continue  # preempted by an older request's chunk
-            n = self._chunk(r, budget, first=budget == self.max_num_batched_tokens - rows)
+            n = self._chunk(r, budget, first)
             if n == 0 or not self._reserve(r, r.num_computed + n):
                 break
             self._isolated(lambda rs, n=n: self._prefill(rs[0], n), [r])
-            budget -= n
+            budget, first = budget - n, False
             touched[r.request_id] = None
         for r in [r for r in self.scheduler.running if r.finished]:
             self._release(r)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 
-from specdecode.engine.block_pool import BLOCK_SIZE, BlockPool
+from specdecode.engine.block_pool import BlockPool
 from specdecode.engine.request import Request, Status
 
 
@@ -69,7 +69,7 @@ class Scheduler:
                 r = self.waiting[0]
                 # its tokens so far and one block to grow into; a prefix-cache hit only makes it need less
                 if self.pool is not None and self.running and \
-                        self.pool.num_free_blocks < -(-len(r.all_token_ids) // BLOCK_SIZE) + 1:
+                        self.pool.num_free_blocks < self.pool.blocks_needed(None, len(r.all_token_ids)) + 1:
                     break
                 self.waiting.popleft()
                 r.slot = self.free_slots.pop()

@@ -38,7 +38,7 @@ class _Counters:
             c.labels(*labels)
 
 
-def _spec_names(name: str) -> tuple[str, ...]:
+def _vllm_names(name: str) -> tuple[str, ...]:
     return (f"vllm:{name}", f"specdecode:{name}")
 
 
@@ -67,23 +67,23 @@ class ServerMetrics:
                              "a step may emit several tokens).", m, buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("specdecode:e2e_request_latency_seconds", "Arrival to finish.", m,
                              buckets=_E2E_BUCKETS, registry=r)
-        self.spec_drafts = _Counters(_spec_names("spec_decode_num_drafts"),
+        self.spec_drafts = _Counters(_vllm_names("spec_decode_num_drafts"),
                                      "Verification passes that carried at least one drafted token.", m, r)
-        self.spec_draft_tokens = _Counters(_spec_names("spec_decode_num_draft_tokens"), "Drafted tokens.", m, r)
-        self.spec_accepted = _Counters(_spec_names("spec_decode_num_accepted_tokens"), "Accepted drafted tokens.",
+        self.spec_draft_tokens = _Counters(_vllm_names("spec_decode_num_draft_tokens"), "Drafted tokens.", m, r)
+        self.spec_accepted = _Counters(_vllm_names("spec_decode_num_accepted_tokens"), "Accepted drafted tokens.",
                                        m, r)
-        self.spec_accepted_pos = _Counters(_spec_names("spec_decode_num_accepted_tokens_per_pos"),
+        self.spec_accepted_pos = _Counters(_vllm_names("spec_decode_num_accepted_tokens_per_pos"),
                                            "Accepted drafted tokens by draft position (0 = first).",
                                            m + ["position"], r)
-        self.prefix_queries = _Counters(_spec_names("prefix_cache_queries"),
+        self.prefix_queries = _Counters(_vllm_names("prefix_cache_queries"),
                                         "Prompt tokens looked up in the prefix cache.", m, r)
-        self.prefix_hits = _Counters(_spec_names("prefix_cache_hits"),
+        self.prefix_hits = _Counters(_vllm_names("prefix_cache_hits"),
                                      "Prompt tokens whose KV came from the prefix cache.", m, r)
-        self.preemptions = _Counters(_spec_names("num_preemptions"),
+        self.preemptions = _Counters(_vllm_names("num_preemptions"),
                                      "Requests preempted (blocks released, prefilled again) for lack of KV cache.",
                                      m, r)
         self.kv_usage = [Gauge(n, "Fraction of the KV cache's blocks in use by running requests (0..1).", m,
-                               registry=r) for n in _spec_names("kv_cache_usage_perc")]
+                               registry=r) for n in _vllm_names("kv_cache_usage_perc")]
         for reason in FINISH_REASONS:
             self.success.labels(model_name, reason)
         for c in (self.prompt_tokens, self.generation_tokens):
