@@ -1,6 +1,8 @@
 """Adaptive k: the cost model's choices, and exactness plus clean cost accounting in the engine."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from specdecode.speculative.adaptive import (PLAIN, PROBE_EVERY, Acceptance, AdaptiveK, CostModel, StepOption,
@@ -289,6 +291,7 @@ def test_calibration_is_kept_on_disk_and_a_broken_cache_is_rebuilt(one_thread, t
 
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
     monkeypatch.setattr(ad, "_CALIBRATED", {})  # a fresh process
+    monkeypatch.setattr(ad, "MAX_OTHER_CPU_SHARE", 1.0)  # kept however busy the test machine is
     timed = []
     real = ad.calibrate
     monkeypatch.setattr(ad, "calibrate", lambda *a, **k: timed.append(1) or real(*a, **k))
@@ -306,6 +309,45 @@ def test_calibration_is_kept_on_disk_and_a_broken_cache_is_rebuilt(one_thread, t
     assert timed == [1, 1] and sorted(rebuilt.verify) == sorted(first.verify)
     assert any("unreadable speculation cost cache" in r.getMessage() for r in caplog.records)
     assert len(json.loads((tmp_path / "adaptive_costs.json").read_text())) == 1
+
+
+def test_a_calibration_timed_on_a_busy_machine_is_used_but_not_kept(one_thread, tiny_models, tmp_path, monkeypatch,
+                                                                    caplog):
+    """Contention skews the stored ratios for every later start, so a calibration during which other
+    processes held the CPUs serves this run only: one warning, nothing stored, the next start times again."""
+    import specdecode.speculative.adaptive as ad
+    from specdecode import LLM
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    monkeypatch.setattr(ad, "_CALIBRATED", {})
+    monkeypatch.setattr(ad, "other_cpu_share", lambda before, after: 0.6)
+    kw = dict(speculative_model="[ngram]", num_speculative_tokens=3, speculative_adaptive=True, max_model_len=128)
+    with caplog.at_level("WARNING", logger="specdecode"):
+        costs = LLM(str(tiny_models["llama"]), **kw).engine.proposer.costs
+    assert costs.verify and costs.other_cpu_share == 0.6
+    assert not (tmp_path / "adaptive_costs.json").exists()
+    assert any("60% of this process's CPUs" in r.getMessage() for r in caplog.records)
+
+
+def test_other_cpu_share_sees_a_busy_process():
+    """The load reading behind that rule: another process spinning on one of our CPUs is seen."""
+    import subprocess
+    import sys
+    import time
+
+    import specdecode.speculative.adaptive as ad
+
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # let it start
+        before = ad._cpu_times()
+        time.sleep(1.0)
+        busy = ad.other_cpu_share(before, ad._cpu_times())
+    finally:
+        spinner.kill()
+        spinner.wait()
+    cpus = len(os.sched_getaffinity(0))
+    assert busy is not None and busy > 0.6 / cpus, busy
 
 
 # ---- the plan for the whole batch (plan_step / AdaptiveK.plan) ----

@@ -124,6 +124,8 @@ class CostModel:
     draft_rows: dict[int, dict[int, float]] = field(default_factory=dict)
     prior: Acceptance = field(default_factory=_prior)         # draft-model acceptance over all requests
     lookup_prior: Acceptance = field(default_factory=_prior)  # the same for drafts looked up in the context
+    # how busy other processes kept this process's CPUs while the costs were timed (None: not known)
+    other_cpu_share: float | None = field(default=None, compare=False)
     # (table, rows) -> {context: seconds}: a step plan prices many row counts, every step (cleared by add*)
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -246,13 +248,82 @@ def draft_calibration_rows(batch: int = 1) -> list[int]:
     return sorted(rows | {64})
 
 
+def _scratch_context(runners: list, ctx: int, total: int) -> None:
+    """Give cache slot 0 blocks for ``total`` positions and fill the keys and values of its first ``ctx``
+    with unit-scale noise: a timed pass attends over ``ctx`` positions, and their content does not change its
+    cost as long as the activations stay ordinary numbers (an all-zero cache would make attention outputs
+    exactly zero), so calibration needs no prefill, which would take longer than all the timed passes."""
+    import torch
+
+    from specdecode.engine.block_pool import BLOCK_SIZE
+
+    runners[0].kv_cache.ensure(0, total)  # the runners share one pool and block table
+    blocks = runners[0].kv_cache.pool.blocks(0)[:-(-ctx // BLOCK_SIZE)]
+    for runner in runners:
+        cache = runner.kv_cache
+        idx = torch.tensor(blocks, dtype=torch.long, device=cache.device)
+        gen = torch.Generator(device=cache.device).manual_seed(0)
+        for i in range(cache.num_layers):
+            for part in cache.layer(i):
+                part[idx] = torch.randn(part[idx].shape, generator=gen, device=cache.device).to(part.dtype)
+
+
+def _cpu_times() -> tuple[int, int, int] | None:
+    """(busy ticks of the CPUs this process may run on, all their ticks, this process's own ticks), from
+    /proc; None where /proc is not there."""
+    try:
+        cpus = os.sched_getaffinity(0)
+        busy = total = 0
+        with open("/proc/stat") as f:
+            for line in f:
+                name, *fields = line.split()
+                if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+                    continue
+                ticks = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
+                total += sum(ticks)
+                busy += sum(ticks) - ticks[3] - ticks[4]
+        with open("/proc/self/stat") as f:
+            own = f.read().rsplit(")", 1)[1].split()
+        return busy, total, int(own[11]) + int(own[12])  # utime, stime
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def other_cpu_share(before: tuple[int, int, int] | None, after: tuple[int, int, int] | None) -> float | None:
+    """The share of this process's CPUs that other processes (or a hypervisor's steal) used between two
+    _cpu_times() readings: 0 on a quiet machine, 0.5 when another busy process holds one of two cores."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    others = (after[0] - before[0]) - (after[2] - before[2])
+    return max(0.0, min(1.0, others / (after[1] - before[1])))
+
+
+# A calibration during which other processes used more than this share of our CPUs is used for this run but
+# not stored: contention slows the short passes (a draft step) by more than the long ones, so the stored
+# ratios would keep speculation off on every later start.
+MAX_OTHER_CPU_SHARE = 0.2
+
+
+def _settled(times: dict[tuple[bool, int], list[float]]) -> bool:
+    """True once every pass timed more than once has two rounds within 2% of each other at its fastest: on
+    a quiet machine that is after two rounds, and more rounds would only cost start-up time."""
+    for ts in times.values():
+        if len(ts) > 1:
+            a, b = sorted(ts)[:2]
+            if b > 1.02 * a:
+                return False
+    return True
+
+
 def calibrate(target, draft, k_max: int, max_len: int, repeats: int = 5,
               contexts: tuple[int, ...] = (32, 512), batch: int = 1) -> CostModel:
     """Time target passes over the rows of calibration_rows(k_max, batch) and, with a draft runner, draft
     passes over draft_calibration_rows(batch), after each of a short and a long context, on cache slot 0 (call
     it while no request runs: the slot's content is left as scratch). Each round times every row count back
-    to back, after one untimed warm-up round; passes over many rows are timed once. Rows of one
-    slot stand in for rows of many requests: the weights are read once per pass either way."""
+    to back, after one untimed warm-up round, for up to ``repeats`` rounds, fewer once two rounds agree (see
+    _settled); passes over many rows are timed once. Rows of one
+    slot stand in for rows of many requests: the weights are read once per pass either way. The result's
+    ``other_cpu_share`` says how busy the rest of the machine was meanwhile."""
     import torch
 
     k_max = max(1, min(k_max, max_len - 2))  # a context of at least 1 plus k_max + 1 rows must fit
@@ -260,17 +331,19 @@ def calibrate(target, draft, k_max: int, max_len: int, repeats: int = 5,
     gen = torch.Generator().manual_seed(0)
     vocab = min(target.vocab_size, draft.vocab_size if draft is not None else target.vocab_size)
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+    runners = [target] + ([draft] if draft is not None else [])
+    cpu0 = _cpu_times()
     for ctx in sorted({max(1, min(c, max_len - k_max - 2)) for c in contexts}):
         sizes = [n for n in calibration_rows(k_max, batch) if ctx + n <= max_len]
         dsizes = [n for n in draft_calibration_rows(batch) if ctx + n <= max_len] if draft is not None else []
         passes = [(False, target, n) for n in sizes] + [(True, draft, n) for n in dsizes]
-        ids = torch.randint(0, vocab, (ctx + max(sizes + dsizes),), generator=gen).tolist()
+        ids = torch.randint(0, vocab, (max(sizes + dsizes),), generator=gen).tolist()
         with torch.inference_mode():
-            target.prefill(0, ids[:ctx])
-            if draft is not None:
-                draft.prefill(0, ids[:ctx])
+            _scratch_context(runners, ctx, ctx + max(sizes + dsizes))
             times: dict[tuple[bool, int], list[float]] = {(d, n): [] for d, _, n in passes}
             for rnd in range(repeats + 1):
+                if rnd > 2 and _settled(times):
+                    break
                 for is_draft, runner, n in passes:
                     if n > _BIG and rnd != 1:
                         continue  # long enough to be steady in one go, after the small passes warmed up
@@ -278,7 +351,7 @@ def calibrate(target, draft, k_max: int, max_len: int, repeats: int = 5,
                     all_logits = not is_draft or n <= batch
                     sync()
                     t0 = time.perf_counter()
-                    out = runner.forward_rows([(0, ctx, ids[ctx:ctx + n])], all_logits=all_logits)
+                    out = runner.forward_rows([(0, ctx, ids[:n])], all_logits=all_logits)
                     int(out[0][-1].argmax())  # the step's own use of its logits (and a device sync)
                     if rnd:
                         times[(is_draft, n)].append(time.perf_counter() - t0)
@@ -291,6 +364,7 @@ def calibrate(target, draft, k_max: int, max_len: int, repeats: int = 5,
                     costs.add_draft(ctx, min(ts), n)
                 else:
                     costs.add(ctx, n, min(ts))
+    costs.other_cpu_share = other_cpu_share(cpu0, _cpu_times())
     return costs
 
 
@@ -536,7 +610,7 @@ class AdaptiveK:
         so that only the first engine start with a given setup times passes. ``refresh``: time them again."""
         import copy
 
-        from specdecode.models.default_models import cache_dir
+        from specdecode.models.default_models import cache_dir, notice
 
         k_max = max(1, min(k_max, max_len - 2))
         batch = _batch_size(target)
@@ -547,8 +621,12 @@ class AdaptiveK:
         key = calibration_key(parts)
         if refresh or key not in _CALIBRATED:
             t0 = time.perf_counter()
-            costs, hit = cached_calibration(key, lambda: calibrate(target, draft, k_max, max_len, batch=batch),
-                                            cache_dir(), refresh)
+
+            def run() -> CostModel:
+                notice("Timing speculative decoding's pass costs for this setup (once; kept for later starts)")
+                return calibrate(target, draft, k_max, max_len, batch=batch)
+
+            costs, hit = cached_calibration(key, run, cache_dir(), refresh)
             if not hit:
                 logger.info("Calibrated adaptive speculation costs in %.1f s (kept for later starts)",
                             time.perf_counter() - t0)
@@ -699,7 +777,7 @@ class AdaptiveK:
 # A calibration times passes for a few seconds; its result only depends on the models' files, the weight
 # formats, the CPU and kernel path and the thread count, so it is kept per such key and reused by every later
 # engine start. Bump the version when what calibrate() measures changes.
-_COSTS_VERSION = 2  # 2: batch row counts, and draft passes over several rows
+_COSTS_VERSION = 3  # 2: batch row counts, and draft passes over several rows; 3: no prefill, load checked
 _COSTS_FILE = "adaptive_costs.json"
 _MAX_CACHED_COSTS = 64
 
@@ -783,7 +861,8 @@ def _costs_from_json(d: dict) -> CostModel:
 def cached_calibration(key: str, run: Callable[[], CostModel], directory: Path | None,
                        refresh: bool = False) -> tuple[CostModel, bool]:
     """The calibration stored under ``key`` in ``directory`` (see calibration_key), else ``run()``'s result,
-    stored for the next engine start (``refresh``: always run, and replace what is stored). Returns (costs,
+    stored for the next engine start unless other processes kept the CPUs busy while it ran (see
+    MAX_OTHER_CPU_SHARE; ``refresh``: always run, and replace what is stored). Returns (costs,
     whether they came from the cache). A missing, corrupt or unwritable cache only costs the calibration:
     it is never an error."""
     path = directory / _COSTS_FILE if directory is not None else None
@@ -801,6 +880,12 @@ def cached_calibration(key: str, run: Callable[[], CostModel], directory: Path |
             entries.pop(key, None)
     costs = run()
     if path is None:
+        return costs, False
+    share = costs.other_cpu_share
+    if share is not None and share > MAX_OTHER_CPU_SHARE:
+        logger.warning("Other processes used %.0f%% of this process's CPUs while speculation costs were timed: "
+                       "the costs are used for this run but not kept, and a later start calibrates again.",
+                       100 * share)
         return costs, False
     entries[key] = dict(_costs_to_json(costs), saved=time.time())
     if len(entries) > _MAX_CACHED_COSTS:  # keep the newest entries
