@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                         order.reverse()
                     for name, spec in order:
                         eng.set_speculative(spec)
+                        eng.reset_prefix_cache()  # else the second config finds the first's prompts cached
                         dt, out, ct = run_closed_loop(eng, ids[w:w + c], c, mt, f"{name}{c}x{mt}r{rnd}w{w}")
                         spent[name] += dt
                         cpu[name] += ct

@@ -420,6 +420,30 @@ def test_one_off_catch_up_work_keeps_short_requests_plain():
     assert policy.plan([request(400, 2, draft_computed=401)], [7], [0], [4])[0][1] > 0
 
 
+def test_no_draft_catch_up_while_the_batch_is_about_to_grow_back():
+    """A draft model that has not seen a request's prompt must catch up before it drafts, a one-off that
+    pays back over many steps. A lone request does not start that while the batch was recently large enough
+    that drafting would not pay there (the others are only being prefilled); a draft already caught up keeps
+    drafting, and once the batch stays small the catch-up is worth it again."""
+    from types import SimpleNamespace
+
+    def req(seen: int):
+        return SimpleNamespace(all_token_ids=[1] * 100, num_output_tokens=0, draft_computed=seen,
+                               acceptance=Acceptance(), lookup_acceptance=Acceptance())
+
+    assert AdaptiveK(enabled=True, costs=_cpu_like()).plan([req(0)], [50], [0], [4])[0][1] > 0  # alone: drafts
+    policy = AdaptiveK(enabled=True, costs=_cpu_like())
+    assert all(k == 0 for _, k in policy.plan([req(100) for _ in range(16)], [50] * 16, [0] * 16, [4] * 16))
+    assert policy.plan([req(0)], [50], [0], [4])[0][1] == 0      # would need a catch-up: waits
+    assert policy.plan([req(100)], [50], [0], [4])[0][1] > 0     # caught up: drafts
+    ks = [policy.plan([req(0)], [50], [0], [4])[0][1] for _ in range(200)]
+    assert 10 < ks.index(next(k for k in ks if k > 0)) < 200
+    # The engine also says how many requests it holds: 15 more being prefilled or waiting keep it waiting.
+    fresh = AdaptiveK(enabled=True, costs=_cpu_like())
+    fresh.expected_batch = 16
+    assert fresh.plan([req(0)], [50], [0], [4])[0][1] == 0
+
+
 def test_probes_only_where_acceptance_is_what_keeps_speculation_off():
     from types import SimpleNamespace
 

@@ -370,6 +370,7 @@ class BenchRunner:
     def generate(self, cfg: BenchConfig, ids: list[int], params, prompt_id: str = "", category: str = "") -> PromptRun:
         self._activate(cfg)
         eng = self.engine
+        eng.reset_prefix_cache()  # every config prefills the prompt cold, as it would running alone
         rid = f"bench-{self._counter}"
         self._counter += 1
         rss = [_rss_mb()]  # sampled after every engine step

@@ -389,6 +389,9 @@ class LLMEngine:
         observe."""
         proposer = self.proposer
         budgets = self._budgets(reqs)
+        if proposer:
+            s = self.scheduler
+            proposer.expect_batch(min(len(s.running) + len(s.waiting), self.config.max_num_seqs))
         prop = proposer.propose(reqs, budgets) if proposer else Proposal([[] for _ in reqs])
         if any(matcher_of(r) is not None for r in reqs):  # structured outputs: grammar-checked and forced drafts
             prop = constrain_proposal(reqs, prop, budgets, proposer)

@@ -53,6 +53,7 @@ PROBE_EVERY = 8        # steps at k = 0 before the first probe
 MAX_PROBE_EVERY = 64
 _LEN_PRIOR, _LEN_PRIOR_WEIGHT = 128.0, 2.0  # output tokens a request is taken to run before any has finished
 _MIN_LEFT = 16.0
+_PEAK_DECAY = 0.98     # per step: how fast the remembered batch size falls back after the batch shrinks
 
 
 @dataclass
@@ -538,6 +539,7 @@ class _Batch:
         # Draft passes without request i, and what its joining them for the first s steps adds (prefix sums).
         others = [self.depth[s] - (s <= cur.draft_steps) for s in range(1, len(self.depth))]
         base = sum(draft(d) for d in others)
+        others += [0] * (max((o.draft_steps for o in opts), default=0) - len(others))  # deeper than the plan
         join = [0.0]
         for d in others:
             join.append(join[-1] + draft(d + 1) - draft(d))
@@ -561,6 +563,11 @@ class _Batch:
             if rates[j] > best * (off if best_j == 0 else deeper):
                 best_j, best = j, rates[j]
         return best_j
+
+
+def _pays_in_batch(opts: list[StepOption], size: int, sc: _StepCosts) -> bool:
+    """Whether one of ``opts`` beats plain decoding for a request in a batch of ``size`` plain requests."""
+    return _Batch([[PLAIN]] * (size - 1) + [[PLAIN] + opts], sc, [0] * size).best_for(size - 1) != 0
 
 
 def _draft_index(opts: list[StepOption], depth: int, default: int) -> int:
@@ -602,6 +609,8 @@ class AdaptiveK:
         self.enabled = enabled
         self.costs = costs if costs is not None else CostModel()
         self._len_sum = self._len_n = 0.0  # decayed output lengths of finished requests
+        self._peak = 0.0  # recent batch sizes, decayed: what a batch that shrank for a moment grows back to
+        self.expected_batch = 0  # requests the engine holds now (Proposer.expect_batch)
 
     def calibrate(self, target, draft, k_max: int, max_len: int, identity: dict[str, Any],
                   refresh: bool = False) -> CostModel:
@@ -653,9 +662,17 @@ class AdaptiveK:
             return []
         context = sum(len(r.all_token_ids) for r in requests) // n
         sc = _StepCosts(self.costs, context)
+        self._peak = max(float(n), self._peak * _PEAK_DECAY)
+        peak = max(int(self._peak + 0.5), self.expected_batch)
         options, starts = [], []
         for r, budget, lk, dk in zip(requests, budgets, lookup_ks, draft_ks):
-            opts = [PLAIN] + self._options(r, True, lk, budget, sc) + self._options(r, False, dk, budget, sc)
+            drafts = self._options(r, False, dk, budget, sc)
+            if drafts and peak > n and drafts[0].once and not _pays_in_batch(drafts, peak, sc):
+                # The draft model would have to catch up first, and that one-off only pays back over many
+                # steps; if the batch is about to grow back to where drafting no longer pays (requests
+                # still being prefilled, or a pause between requests), those steps never come.
+                drafts = []
+            opts = [PLAIN] + self._options(r, True, lk, budget, sc) + drafts
             options.append(opts)
             last = getattr(r, "spec_plan", None)
             starts.append(next((j for j, o in enumerate(opts) if last == (o.lookup, o.k)), 0))
@@ -675,9 +692,10 @@ class AdaptiveK:
         return out
 
     def _options(self, r, lookup: bool, cap: int, budget: int, sc: _StepCosts,
-                 rates: tuple[float, float] | None = None) -> list[StepOption]:
+                 rates: tuple[float, float] | None = None, spread: bool = True) -> list[StepOption]:
         """r's options of one kind, k = 1..cap, with their expected tokens (from ``rates``, by default r's own
-        acceptance of that kind) and, for the draft model, the one-off catch-up it owes this step."""
+        acceptance of that kind) and, for the draft model, the one-off catch-up it owes this step: spread over
+        the request's expected remaining tokens, or (``spread`` off) charged to this step in full."""
         if cap <= 0:
             return []
         p1, q = rates if rates is not None else (
@@ -690,11 +708,11 @@ class AdaptiveK:
         # the whole context the first time (its prefill) or after sitting out. That extra work buys drafts for
         # the rest of the request, so it is spread over the steps the request is expected to have left.
         extra = max(0.0, sc.draft(lag) - sc.draft(1)) if lag > 1 else 0.0
-        left = max(1.0, min(budget + 1, self.expected_left(r)))
+        left = max(1.0, min(budget + 1, self.expected_left(r))) if spread else 0.0
         out = []
         for k in range(1, cap + 1):
             e = expected_tokens(p1, q, k)
-            out.append(StepOption(lookup, k, e, extra * e / left if extra else 0.0))
+            out.append(StepOption(lookup, k, e, (extra * e / left if spread else extra) if extra else 0.0))
         return out
 
     def _probe(self, r, i: int, batch: "_Batch", budget: int, sc: _StepCosts, lk: int, dk: int
@@ -706,8 +724,11 @@ class AdaptiveK:
                 continue
             acc = r.lookup_acceptance if lookup else r.acceptance
             hope = max(OPTIMISTIC_RATE, *acc.rates(self.costs.prior_of(lookup)))
-            if not batch.best_for(i, opts=[PLAIN] + self._options(r, lookup, cap, budget, sc, (hope, hope))):
-                continue  # its rows cost too much at this batch: no acceptance would pay for them
+            # A probe is one step, not a commitment: a draft model that sat out must first catch up on every
+            # token it missed, and that is only worth it if even this single step pays for it.
+            if not batch.best_for(i, opts=[PLAIN] + self._options(r, lookup, cap, budget, sc, (hope, hope),
+                                                                   spread=False)):
+                continue  # its rows (or catch-up) cost too much at this batch: no acceptance would pay for them
             if acc.in_run:
                 return lookup, 1  # see next_k: a run's own rate must stay observed
             acc.steps_without_spec += 1

@@ -62,6 +62,11 @@ class Proposer:
     def prefill(self, request) -> None:
         """A new request's prompt is in the target's cache."""
 
+    def expect_batch(self, size: int) -> None:
+        """The engine holds ``size`` requests (decoding, prefilling or waiting, at most its slots): the batch
+        the next steps will soon have, which one-off draft work must still pay at."""
+        self.policy.expected_batch = size
+
     def propose(self, requests: list, budgets: list[int]) -> Proposal:
         """Draft tokens for each request, at most budgets[i] for request i (0: none)."""
         raise NotImplementedError
