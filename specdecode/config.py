@@ -381,18 +381,23 @@ class EngineConfig:
 
 def check_draft_compatible(target_tok, draft_tok, target_params: int, draft_params: int,
                            target_vocab: int, draft_vocab: int) -> None:
-    """Target and draft must tokenize identically; a draft larger than the target is almost surely a mistake."""
-    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
-    if tv != dv:
-        only_t = len(set(tv.items()) - set(dv.items()))
-        only_d = len(set(dv.items()) - set(tv.items()))
-        raise ValueError(f"The draft model's tokenizer does not match the target's ({only_t} target and {only_d} draft "
-                   f"vocabulary entries differ; sizes {len(tv)} vs {len(dv)}). Speculative decoding needs the same "
-                   "tokenizer: pick a draft from the same model family, or use speculative_model='[ngram]'.")
+    """Target and draft must tokenize identically; a draft larger than the target is almost surely a mistake.
+    ``draft_tok`` None: the draft's tokenizer files are the target's (tokenizer.same_tokenizer_files)."""
+    vocab_size = len(target_tok)
+    if draft_tok is not None:
+        tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+        if tv != dv:
+            only_t = len(set(tv.items()) - set(dv.items()))
+            only_d = len(set(dv.items()) - set(tv.items()))
+            raise ValueError(f"The draft model's tokenizer does not match the target's ({only_t} target and {only_d} "
+                             f"draft vocabulary entries differ; sizes {len(tv)} vs {len(dv)}). Speculative decoding "
+                             "needs the same tokenizer: pick a draft from the same model family, or use "
+                             "speculative_model='[ngram]'.")
+        vocab_size = len(tv)
     # Embedding rows beyond the tokenizer's vocabulary are padding and may differ between the two.
-    if min(target_vocab, draft_vocab) < len(tv):
+    if min(target_vocab, draft_vocab) < vocab_size:
         raise ValueError(f"A model's embedding table ({min(target_vocab, draft_vocab)} rows) is smaller than the "
-                   f"tokenizer vocabulary ({len(tv)}).")
+                   f"tokenizer vocabulary ({vocab_size}).")
     if draft_params > target_params:
         logger.warning("The draft model (%.1fM parameters) is larger than the target (%.1fM parameters); "
                        "speculation will be slower than plain decoding.", draft_params / 1e6, target_params / 1e6)

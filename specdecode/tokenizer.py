@@ -18,6 +18,31 @@ def load_tokenizer(path: Path, is_gguf: bool):
                          "(or the slow tokenizer's files) next to config.json.") from None
 
 
+def _tokenizer_files(path: Path, is_gguf: bool) -> list[Path] | None:
+    """The files a model's tokenizer vocabulary is read from (for a GGUF file, what its cached conversion
+    saved), or None where they are not at hand."""
+    if is_gguf:
+        from specdecode.models.gguf_loader import cached_tokenizer_json
+        f = cached_tokenizer_json(path)
+        return [f] if f is not None else None
+    files = [Path(path) / "tokenizer.json", Path(path) / "tokenizer_config.json"]
+    return files if files[0].is_file() else None
+
+
+def same_tokenizer_files(a: Path, a_is_gguf: bool, b: Path, b_is_gguf: bool) -> bool:
+    """True when two models' tokenizers are read from byte-identical files (a target and a draft of one
+    family): they tokenize alike without loading the second one."""
+    fa, fb = _tokenizer_files(a, a_is_gguf), _tokenizer_files(b, b_is_gguf)
+    if fa is None or fb is None or len(fa) != len(fb):
+        return False
+    try:
+        return all(x.is_file() == y.is_file() and (not x.is_file() or (x.stat().st_size == y.stat().st_size
+                                                                       and x.read_bytes() == y.read_bytes()))
+                   for x, y in zip(fa, fb))
+    except OSError:
+        return False
+
+
 def eos_ids(tokenizer, hf_config: dict) -> set[int]:
     ids: set[int] = set()
     for v in (hf_config.get("eos_token_id"), getattr(tokenizer, "eos_token_id", None)):

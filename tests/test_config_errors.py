@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -39,6 +40,29 @@ def test_tokenizer_mismatch(tiny_models, other_tokenizer_draft):
     _raises(lambda: LLM(str(tiny_models["llama"]), speculative_model=str(other_tokenizer_draft),
                         num_speculative_tokens=3, max_model_len=64),
             r"tokenizer", r"draft", r"same tokenizer|same family|\[ngram\]")
+
+
+def test_a_draft_with_the_targets_tokenizer_files_is_not_loaded_twice(one_thread, tiny_models, tiny_dir,
+                                                                     monkeypatch):
+    """Byte-identical tokenizer files tokenize alike: the draft's tokenizer is not loaded (start-up time and
+    memory); different files still go through the full comparison (test_tokenizer_mismatch)."""
+    import specdecode.engine.llm_engine as le
+    from specdecode.tokenizer import same_tokenizer_files
+
+    loads = []
+    real = le.load_tokenizer
+    monkeypatch.setattr(le, "load_tokenizer", lambda path, gguf: loads.append(Path(path)) or real(path, gguf))
+    draft = copy_model(tiny_models["llama"], tiny_dir / "llama_same_tok_draft")
+    assert same_tokenizer_files(tiny_models["llama"], False, draft, False)
+    LLM(str(tiny_models["llama"]), speculative_model=str(draft), num_speculative_tokens=3, max_model_len=64)
+    assert loads == [Path(tiny_models["llama"])]
+    changed = copy_model(tiny_models["llama"], tiny_dir / "llama_other_tok_config")
+    cfg = changed / "tokenizer_config.json"
+    cfg.write_text(cfg.read_text().replace("{", '{"model_max_length": 77, ', 1))
+    assert not same_tokenizer_files(tiny_models["llama"], False, changed, False)
+    loads.clear()
+    LLM(str(tiny_models["llama"]), speculative_model=str(changed), num_speculative_tokens=3, max_model_len=64)
+    assert loads == [Path(tiny_models["llama"]), changed]
 
 
 def test_draft_with_padded_embedding_rows_is_accepted(one_thread, tiny_models, tiny_dir):

@@ -22,7 +22,7 @@ from specdecode.speculative.metrics import SpecDecodeStats
 from specdecode.speculative.proposer import Proposal, Proposer
 from specdecode.speculative.rejection_sampler import rejection_sample
 from specdecode.structured.speculation import commit_token, constrain_proposal, mask_rows, matcher_of
-from specdecode.tokenizer import eos_ids, load_tokenizer
+from specdecode.tokenizer import eos_ids, load_tokenizer, same_tokenizer_files
 
 logger = logging.getLogger("specdecode")
 
@@ -57,7 +57,8 @@ class LLMEngine:
         if uses_draft_model(spec):
             draft_path = resolve_model(None if spec.model == "default" else spec.model, "draft")
             draft = load_model(draft_path, c.dtype, c.device, self.max_model_len, c.draft_quantization())
-            check_draft_compatible(self.tokenizer, load_tokenizer(draft_path, draft.is_gguf),
+            same = same_tokenizer_files(target_path, target.is_gguf, draft_path, draft.is_gguf)
+            check_draft_compatible(self.tokenizer, None if same else load_tokenizer(draft_path, draft.is_gguf),
                                    target.model.param_count(), draft.model.param_count(),
                                    target.model.args.vocab_size, draft.model.args.vocab_size)
             self.draft_path = draft_path

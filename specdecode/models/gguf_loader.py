@@ -493,16 +493,13 @@ def load_gguf_tokenizer(path: str | os.PathLike, cache: bool | None = None) -> P
     p = Path(path)
     if not p.is_file() or not (packed_cache.enabled() if cache is None else cache):
         return _build_gguf_tokenizer(p)
-    import hashlib
     import json
     import logging
     import shutil
 
     from transformers import PreTrainedTokenizerFast
 
-    ident = json.dumps([_TOKENIZER_CACHE_VERSION, packed_cache.source_identity(p)])
-    folder = packed_cache.cache_root().parent / "tokenizers" / (
-        f"{p.name.removesuffix('.gguf')}.{hashlib.sha256(ident.encode()).hexdigest()[:16]}")
+    ident, folder = _tokenizer_folder(p)
     done = folder / "identity.json"
     if done.is_file():
         try:
@@ -535,6 +532,30 @@ def load_gguf_tokenizer(path: str | os.PathLike, cache: bool | None = None) -> P
         shutil.rmtree(tmp, ignore_errors=True)
     tok.name_or_path = str(p)
     return tok
+
+
+def _tokenizer_folder(p: Path) -> tuple[str, Path]:
+    """(identity, folder) of the cached tokenizer of GGUF file ``p``."""
+    import hashlib
+    import json
+
+    from specdecode.models import packed_cache
+
+    ident = json.dumps([_TOKENIZER_CACHE_VERSION, packed_cache.source_identity(p)])
+    return ident, packed_cache.cache_root().parent / "tokenizers" / (
+        f"{p.name.removesuffix('.gguf')}.{hashlib.sha256(ident.encode()).hexdigest()[:16]}")
+
+
+def cached_tokenizer_json(path: str | os.PathLike) -> Path | None:
+    """The tokenizer.json that load_gguf_tokenizer saved for GGUF file ``path``, if a complete one is cached."""
+    from specdecode.models import packed_cache
+
+    p = Path(path)
+    if not p.is_file() or not packed_cache.enabled():
+        return None
+    folder = _tokenizer_folder(p)[1]
+    f = folder / "tokenizer.json"
+    return f if (folder / "identity.json").is_file() and f.is_file() else None
 
 
 def _saved_digest(folder: Path) -> str:
