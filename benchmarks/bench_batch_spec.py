@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="on/off pairs per setting (order alternates)")
     ap.add_argument("--spec", default=None, help="speculative config JSON for 'on' (default: the preset's)")
     ap.add_argument("--json", type=Path, default=None, help="write all runs here")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: the engine's)")
     ap.add_argument("--recalibrate", action="store_true",
                     help="time the adaptive policy's pass costs again (and replace the cached ones)")
     args = ap.parse_args(argv)
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         by_cat.setdefault(c, []).append(q)
     mixed = [q for j in range(per_cat) for c in cats for q in by_cat.get(c, [])[j:j + 1]][:args.prompts]
 
-    llm = LLM(max_num_seqs=max(cs))
+    llm = LLM(max_num_seqs=max(cs), **({"num_threads": args.threads} if args.threads else {}))
     eng = llm.engine
     spec_on = json.loads(args.spec) if args.spec else eng.config.speculative
     spec_off = None  # plain decoding (the engine's form of {"method": "none"})
