@@ -249,26 +249,6 @@ def draft_calibration_rows(batch: int = 1) -> list[int]:
     return sorted(rows | {64})
 
 
-def _scratch_context(runners: list, ctx: int, total: int) -> None:
-    """Give cache slot 0 blocks for ``total`` positions and fill the keys and values of its first ``ctx``
-    with unit-scale noise: a timed pass attends over ``ctx`` positions, and their content does not change its
-    cost as long as the activations stay ordinary numbers (an all-zero cache would make attention outputs
-    exactly zero), so calibration needs no prefill, which would take longer than all the timed passes."""
-    import torch
-
-    from specdecode.engine.block_pool import BLOCK_SIZE
-
-    runners[0].kv_cache.ensure(0, total)  # the runners share one pool and block table
-    blocks = runners[0].kv_cache.pool.blocks(0)[:-(-ctx // BLOCK_SIZE)]
-    for runner in runners:
-        cache = runner.kv_cache
-        idx = torch.tensor(blocks, dtype=torch.long, device=cache.device)
-        gen = torch.Generator(device=cache.device).manual_seed(0)
-        for i in range(cache.num_layers):
-            for part in cache.layer(i):
-                part[idx] = torch.randn(part[idx].shape, generator=gen, device=cache.device).to(part.dtype)
-
-
 def _cpu_times() -> tuple[int, int, int] | None:
     """(busy ticks of the CPUs this process may run on, all their ticks, this process's own ticks), from
     /proc; None where /proc is not there."""
@@ -305,24 +285,12 @@ def other_cpu_share(before: tuple[int, int, int] | None, after: tuple[int, int, 
 MAX_OTHER_CPU_SHARE = 0.2
 
 
-def _settled(times: dict[tuple[bool, int], list[float]]) -> bool:
-    """True once every pass timed more than once has two rounds within 2% of each other at its fastest: on
-    a quiet machine that is after two rounds, and more rounds would only cost start-up time."""
-    for ts in times.values():
-        if len(ts) > 1:
-            a, b = sorted(ts)[:2]
-            if b > 1.02 * a:
-                return False
-    return True
-
-
 def calibrate(target, draft, k_max: int, max_len: int, repeats: int = 5,
               contexts: tuple[int, ...] = (32, 512), batch: int = 1) -> CostModel:
     """Time target passes over the rows of calibration_rows(k_max, batch) and, with a draft runner, draft
     passes over draft_calibration_rows(batch), after each of a short and a long context, on cache slot 0 (call
     it while no request runs: the slot's content is left as scratch). Each round times every row count back
-    to back, after one untimed warm-up round, for up to ``repeats`` rounds, fewer once two rounds agree (see
-    _settled); passes over many rows are timed once. Rows of one
+    to back, after one untimed warm-up round; passes over many rows are timed once. Rows of one
     slot stand in for rows of many requests: the weights are read once per pass either way. The result's
     ``other_cpu_share`` says how busy the rest of the machine was meanwhile."""
     import torch
@@ -338,13 +306,14 @@ def calibrate(target, draft, k_max: int, max_len: int, repeats: int = 5,
         sizes = [n for n in calibration_rows(k_max, batch) if ctx + n <= max_len]
         dsizes = [n for n in draft_calibration_rows(batch) if ctx + n <= max_len] if draft is not None else []
         passes = [(False, target, n) for n in sizes] + [(True, draft, n) for n in dsizes]
-        ids = torch.randint(0, vocab, (max(sizes + dsizes),), generator=gen).tolist()
+        ids = torch.randint(0, vocab, (ctx + max(sizes + dsizes),), generator=gen).tolist()
         with torch.inference_mode():
-            _scratch_context(runners, ctx, ctx + max(sizes + dsizes))
+            # A real prefill, not just any content: its seconds of full-speed work also bring the process up
+            # to the speed it keeps (timed without it, a fresh process's passes ran 15-45% slower).
+            for runner in runners:
+                runner.prefill(0, ids[:ctx])
             times: dict[tuple[bool, int], list[float]] = {(d, n): [] for d, _, n in passes}
             for rnd in range(repeats + 1):
-                if rnd > 2 and _settled(times):
-                    break
                 for is_draft, runner, n in passes:
                     if n > _BIG and rnd != 1:
                         continue  # long enough to be steady in one go, after the small passes warmed up
@@ -352,7 +321,7 @@ def calibrate(target, draft, k_max: int, max_len: int, repeats: int = 5,
                     all_logits = not is_draft or n <= batch
                     sync()
                     t0 = time.perf_counter()
-                    out = runner.forward_rows([(0, ctx, ids[:n])], all_logits=all_logits)
+                    out = runner.forward_rows([(0, ctx, ids[ctx:ctx + n])], all_logits=all_logits)
                     int(out[0][-1].argmax())  # the step's own use of its logits (and a device sync)
                     if rnd:
                         times[(is_draft, n)].append(time.perf_counter() - t0)
@@ -798,7 +767,7 @@ class AdaptiveK:
 # A calibration times passes for a few seconds; its result only depends on the models' files, the weight
 # formats, the CPU and kernel path and the thread count, so it is kept per such key and reused by every later
 # engine start. Bump the version when what calibrate() measures changes.
-_COSTS_VERSION = 3  # 2: batch row counts, and draft passes over several rows; 3: no prefill, load checked
+_COSTS_VERSION = 4  # 2: batch row counts, and draft passes over several rows; 3-4: load checked
 _COSTS_FILE = "adaptive_costs.json"
 _MAX_CACHED_COSTS = 64
 
