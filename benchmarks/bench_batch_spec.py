@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         by_cat.setdefault(c, []).append(q)
     mixed = [q for j in range(per_cat) for c in cats for q in by_cat.get(c, [])[j:j + 1]][:args.prompts]
 
-    llm = LLM(max_num_seqs=max(cs), **({"num_threads": args.threads} if args.threads else {}))
+    llm = LLM(max_num_seqs=max(cs), num_threads=args.threads)
     eng = llm.engine
     spec_on = json.loads(args.spec) if args.spec else eng.config.speculative
     spec_off = None  # plain decoding (the engine's form of {"method": "none"})

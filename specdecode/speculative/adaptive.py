@@ -677,11 +677,11 @@ class AdaptiveK:
         # the whole context the first time (its prefill) or after sitting out. That extra work buys drafts for
         # the rest of the request, so it is spread over the steps the request is expected to have left.
         extra = max(0.0, sc.draft(lag) - sc.draft(1)) if lag > 1 else 0.0
-        left = max(1.0, min(budget + 1, self.expected_left(r))) if spread else 0.0
+        left = max(1.0, min(budget + 1, self.expected_left(r)))
         out = []
         for k in range(1, cap + 1):
             e = expected_tokens(p1, q, k)
-            out.append(StepOption(lookup, k, e, (extra * e / left if spread else extra) if extra else 0.0))
+            out.append(StepOption(lookup, k, e, extra * (e / left if spread else 1.0)))
         return out
 
     def _probe(self, r, i: int, batch: "_Batch", budget: int, sc: _StepCosts, lk: int, dk: int
