@@ -1,6 +1,6 @@
 """How close the quantized CPU formats stay to the unquantized model.
 
-    python benchmarks/quant_quality.py [--model PATH] [--prompts 8] [--max-len 256]
+    python benchmarks/quant_quality.py [--model PATH] [--prompts 8] [--max-len 256] [--quantizations int8,w8a8,w4a8]
 
 Teacher-forces the chat-formatted first turn of one Spec-Bench prompt per category through the model at
 its default dtype and with each quantization, and reports, over all positions, how often the top-1 next token
@@ -39,6 +39,7 @@ def _logprobs(path: Path, quantization: str | None, seqs: list[list[int]], max_l
         n = len(ids)
         t = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
         pos = list(range(n))
+        runner.kv_cache.ensure(0, n)  # the slot's blocks for these positions
         b = ForwardBatch(t(ids), t(pos), t([0] * n), [0] * n, pos, prefill=True, logits_rows=t(pos))
         out.append(runner.model(b).float().log_softmax(-1))
     return out
@@ -51,6 +52,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-len", type=int, default=256, help="tokens per prompt (longer prompts are cut)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quantizations", default="int8,w8a8,w4a8", help="comma-separated formats to compare")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else default_model_path("target")
@@ -60,7 +62,7 @@ def main() -> None:
     ref = _logprobs(path, None, seqs, args.max_len)
     total = sum(len(s) for s in seqs)
     print(f"model={path} positions={total}")
-    for q in ("int8", "w8a8"):
+    for q in args.quantizations.split(","):
         agree, kl = 0, 0.0
         for r, lp in zip(ref, _logprobs(path, q, seqs, args.max_len)):
             agree += int((lp.argmax(-1) == r.argmax(-1)).sum())

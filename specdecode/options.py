@@ -26,7 +26,7 @@ logger = logging.getLogger("specdecode")
 
 MAX_SPEC_TOKENS = 16
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("auto", "none", "int8", "w8a8", "w4a8")
+QUANTIZATIONS = ("auto", "none", "int8", "w8a8", "w4a8", "mixed")
 SPEC_METHODS = ("draft_model", "ngram", "suffix")
 NO_DRAFT = ("none", "off", "no", "0", "false", "disabled")
 NGRAM_MODELS = ("[ngram]", "ngram")
@@ -148,9 +148,10 @@ class Option:
         return parse_method if self.name == "method" else None
 
 
-_Q_HELP = ("auto (default): on CPU int8 weights and activations (w8a8) for the target and 4-bit weights (w4a8) "
-           "for the draft, full precision on a GPU or when --dtype is given; none: full precision; int8: int8 "
-           "weights, float activations; w8a8; w4a8")
+_Q_HELP = ("auto (default): on CPU 'mixed' for the target and 4-bit weights (w4a8) for the draft, full precision "
+           "on a GPU or when --dtype is given; none: full precision; int8: int8 weights, float activations; w8a8: "
+           "int8 weights and activations; w4a8: 4-bit weights, int8 activations; mixed: w4a8 for the weights a GGUF "
+           "stores in 4 bits (Q4_K, Q4_0, ...), w8a8 for the rest")
 
 OPTIONS: tuple[Option, ...] = (
     # ---- models

@@ -31,7 +31,7 @@ class Preset:
     draft_vocab_size: int
 
 
-FAST = Preset(name="fast", target_quantization="w8a8", draft_quantization="w4a8", cuda_dtype="bfloat16",
+FAST = Preset(name="fast", target_quantization="mixed", draft_quantization="w4a8", cuda_dtype="bfloat16",
               quantize_min_bytes=64 << 20, num_speculative_tokens=4, lookup_tokens=12, adaptive=True,
               ngram_first=True, draft_vocab_size=32768)
 

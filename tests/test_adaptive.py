@@ -463,3 +463,32 @@ def test_probes_only_where_acceptance_is_what_keeps_speculation_off():
     for _ in range(PROBE_EVERY * 3):
         assert all(k == 0 for _, k in policy.plan(crowd, [100] * 16, [0] * 16, [4] * 16))
     assert all(r.acceptance.steps_without_spec == 0 for r in crowd)
+
+
+def test_a_full_cost_cache_drops_entries_of_vanished_models_first(tmp_path, monkeypatch):
+    """Calibrations of models whose files are gone (a test's temporary models) are evicted before older
+    entries of models still on disk, so a test run does not push out the real models' costs."""
+    import json
+
+    import specdecode.speculative.adaptive as ad
+
+    monkeypatch.setattr(ad, "_MAX_CACHED_COSTS", 3)
+    monkeypatch.setattr(ad, "MAX_OTHER_CPU_SHARE", 1.0)
+    kept, gone = tmp_path / "kept.gguf", tmp_path / "gone.gguf"
+    kept.write_bytes(b"x")
+
+    def costs() -> ad.CostModel:
+        c = ad.CostModel()
+        c.add(32, 1, 0.01)
+        return c
+
+    ad.cached_calibration("old-kept", costs, tmp_path, files=[str(kept)])
+    for i in range(2):
+        ad.cached_calibration(f"gone-{i}", costs, tmp_path, files=[str(gone)])
+    ad.cached_calibration("new-kept", costs, tmp_path, files=[str(kept)])
+    stored = json.loads((tmp_path / "adaptive_costs.json").read_text())
+    assert sorted(stored) == ["gone-1", "new-kept", "old-kept"]  # the older vanished-model entry went first
+    ad.cached_calibration("newer-kept", costs, tmp_path, files=[str(kept)])
+    stored = json.loads((tmp_path / "adaptive_costs.json").read_text())
+    assert sorted(stored) == ["new-kept", "newer-kept", "old-kept"]
+    assert stored["old-kept"]["files"] == [str(kept)]

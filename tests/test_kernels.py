@@ -290,12 +290,32 @@ def test_activation_quantization_is_per_row_and_per_block():
     assert torch.all(q[1, 40:64] == 0)
 
 
+def test_w4a8_holds_affine_4bit_blocks_as_stored():
+    """A block stored the way GGUF's Q4_K stores it (a scale times 0..15, minus a minimum) fits an affine grid
+    and comes back up to fp16 rounding of its scale and offset: a small fraction of one quantization step,
+    where a symmetric grid would be off by up to half a step."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 48, 256
+    scale = torch.rand(n, k // 32, 1, generator=g) * 0.02 + 0.001
+    mins = scale * torch.rand(n, k // 32, 1, generator=g) * 8
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15  # the full range, as most Q4_K blocks have
+    w = (scale * q - mins).view(n, k)
+    p = kernels.pack_linear(w, "w4a8")
+    assert p.scale.ndim == 3  # scales and offsets
+    err = (kernels.dequantize(p) - w).view(n, k // 32, 32).abs().amax(dim=2, keepdim=True)
+    assert (err <= scale * 0.02).all(), float((err / scale).max())
+    x = _x(5, k, 4)
+    assert _rel_err(kernels.rowinv_linear(x, p), _reference(x, p)) < 1e-5
+
+
 def test_w4a8_select_rows_and_layout_round_trip():
     w = _weight(70, 100, 5)
     p = kernels.pack_linear(w, "w4a8")
-    q, sc = kernels._w4_unpack(p)
+    q, sc, off = kernels._w4_unpack(p)
     assert q.shape == (70, 128) and sc.shape == (70, 4) and int(q.min()) >= -8 and int(q.max()) <= 7
-    again = kernels._w4_pack(q, sc, 100)
+    assert off is not None and off.shape == (70, 4)  # Gaussian weights: some blocks fit an affine grid best
+    again = kernels._w4_pack(q, sc, off, 100)
     assert torch.equal(again.weight, p.weight) and torch.equal(again.scale, p.scale)
     rows = torch.tensor([69, 0, 17, 16, 33])
     sub = p.select_rows(rows)
@@ -381,6 +401,9 @@ def test_integer_instruction_sets_agree_bitwise(tmp_path, tiny_models):
         w = _weight(n, k, 60 + i)
         for fmt in ("w8a8", "w4a8"):
             cases.append((kernels.pack_linear(w, fmt), _x(7, k, 70 + i) * 4, torch.randn(n)))
+        q, sc, off = kernels._w4_unpack(cases[-1][0])
+        assert off is not None  # the offsets' epilogue is compared, and (next) the format without it
+        cases.append((kernels._w4_pack(q, sc, None, k), _x(7, k, 70 + i) * 4, torch.randn(n)))
     expected = [kernels.rowinv_linear(x, p, b) for p, x, b in cases]
     models = [tiny_models["qwen3"], build_model("qwen2", tmp_path / "head64", layers=1, hidden=256)]  # D 32, 64
     expected_stack = [_stack_logits(m) for m in models]

@@ -43,7 +43,8 @@
 
 namespace {
 
-enum Fmt : int { kF32 = 0, kBF16 = 1, kI8 = 2, kW8A8 = 3, kW4A8 = 4 };
+// kW4A8O: w4a8 with per-block offsets (see W4Args::off)
+enum Fmt : int { kF32 = 0, kBF16 = 1, kI8 = 2, kW8A8 = 3, kW4A8 = 4, kW4A8O = 5 };
 
 constexpr int64_t kUnit = 24;       // channels per parallel work unit (lcm of tile widths 8, 6, 3, 2)
 constexpr int64_t kRowBlock = 64;   // rows processed per pass over a channel block
@@ -419,6 +420,7 @@ struct QAct {            // quantized activations, per row: Kp bytes of q and of
   const int8_t* qabs;    // |q|: AVX2's unsigned-by-signed byte products take it ready-made
   const int32_t* ncorr;  // -128 * sum of the block's q values
   const float* d;        // the block's scale
+  const float* noff;     // -(d * sum of the block's q values): what w4a8's block offsets are multiplied by
   int64_t ldq;           // = Kp
   int64_t ldb;           // = Kp / 32
 };
@@ -436,7 +438,8 @@ struct W8Args {
   const uint8_t* group(int64_t g) const { return w + g * Kp * kGroup; }
 };
 
-static void quantize_row(const float* x, int64_t K, int64_t Kp, int8_t* q, int8_t* qabs, int32_t* ncorr, float* dl) {
+static void quantize_row(const float* x, int64_t K, int64_t Kp, int8_t* q, int8_t* qabs, int32_t* ncorr, float* dl,
+                         float* noff) {
   for (int64_t b0 = 0; b0 < Kp; b0 += kQBlock) {
     const int64_t n = std::max<int64_t>(0, std::min<int64_t>(kQBlock, K - b0));
     float amax = 0.0f;
@@ -453,6 +456,7 @@ static void quantize_row(const float* x, int64_t K, int64_t Kp, int8_t* q, int8_
     }
     ncorr[b0 / kQBlock] = -128 * sum;
     dl[b0 / kQBlock] = d;
+    noff[b0 / kQBlock] = -(d * static_cast<float>(sum));
   }
 }
 
@@ -822,21 +826,24 @@ static void with_quantized_x(const float* x, int64_t ldx, int64_t K, int64_t Kp,
   // (thread_local: referenced through plain pointers below, since worker threads have their own instances).
   thread_local std::vector<int8_t> q_buf, qabs_buf;
   thread_local std::vector<int32_t> ncorr_buf;
-  thread_local std::vector<float> dl_buf;
+  thread_local std::vector<float> dl_buf, noff_buf;
   q_buf.resize(std::max<size_t>(q_buf.size(), M * Kp));
   qabs_buf.resize(q_buf.size());
   ncorr_buf.resize(std::max<size_t>(ncorr_buf.size(), M * Kp / kQBlock));
   dl_buf.resize(ncorr_buf.size());
+  noff_buf.resize(ncorr_buf.size());
   int8_t* const q = q_buf.data();
   int8_t* const qabs = qabs_buf.data();
   int32_t* const ncorr = ncorr_buf.data();
   float* const dl = dl_buf.data();
+  float* const noff = noff_buf.data();
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, K));
   at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
-      quantize_row(x + m * ldx, K, Kp, q + m * Kp, qabs + m * Kp, ncorr + m * Kp / kQBlock, dl + m * Kp / kQBlock);
+      quantize_row(x + m * ldx, K, Kp, q + m * Kp, qabs + m * Kp, ncorr + m * Kp / kQBlock, dl + m * Kp / kQBlock,
+                   noff + m * Kp / kQBlock);
   });
-  run(QAct{q, qabs, ncorr, dl, Kp, Kp / kQBlock});
+  run(QAct{q, qabs, ncorr, dl, noff, Kp, Kp / kQBlock});
 }
 
 // =============================================================================================
@@ -854,6 +861,12 @@ static void with_quantized_x(const float* x, int64_t ldx, int64_t K, int64_t Kp,
 // k0 = 32b + 8j. The low nibbles then line up with activation bytes k0..k0+3 and the high ones with
 // k0+4..k0+7. Scales are fp16 [groups, blocks, 16]. The integer accumulator starts at -8 * sum(q), which
 // turns the unsigned nibbles into the signed weights.
+//
+// With offsets (kW4A8O, what affine 4-bit checkpoints such as GGUF's Q4_K need), w[n, k] = s[n, b] * (u - 8)
+// - o[n, b], and after the loop above every (row, channel) takes, once per block in order,
+//   acc = fma(-(d_b * sum_{k in b} q[m, k]), o[n, b], acc)
+// in w4a8_store, which every path (VNNI, AMX, AVX2, scalar) ends with: the integer loops are untouched and the
+// paths still agree bit for bit. Offsets are fp16 [groups, blocks, 16] right after the scales.
 // =============================================================================================
 struct W4Args {
   QAct x;
@@ -866,6 +879,7 @@ struct W4Args {
   float* y;
   int64_t ldy;
   bool one_group;       // few rows: tiles of a single group (see w4a8_one)
+  const uint16_t* off;  // fp16 block offsets [groups, nblocks * 16], or null (kW4A8)
   const uint8_t* group(int64_t g) const { return w + g * Kp * (kGroup / 2); }
   const uint16_t* scales(int64_t g) const { return s + g * nblocks * kGroup; }
 };
@@ -889,7 +903,31 @@ static inline float half_to_float(uint16_t h) {  // exact, including subnormals
   return f;
 }
 
+// v = acc - sum_b d_b * sum(q in b) * o[n, b] for 8 channels from n0 (a multiple of 8) of row m.
+static inline void w4a8_offsets(const W4Args& a, int64_t m, int64_t n0, const float* v, float* out) {
+  const uint16_t* o = a.off + (n0 / kGroup) * a.nblocks * kGroup + n0 % kGroup;
+  const float* c = a.x.noff + m * a.x.ldb;
+#if SPECDECODE_AVX2 && defined(__F16C__)
+  __m256 acc = _mm256_loadu_ps(v);
+  for (int64_t b = 0; b < a.nblocks; ++b)
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(c[b]),
+                          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + b * kGroup))), acc);
+  _mm256_storeu_ps(out, acc);
+#else
+  for (int l = 0; l < 8; ++l) {
+    float acc = v[l];
+    for (int64_t b = 0; b < a.nblocks; ++b) acc = std::fma(c[b], half_to_float(o[b * kGroup + l]), acc);
+    out[l] = acc;
+  }
+#endif
+}
+
 static inline void w4a8_store(const W4Args& a, int64_t m, int64_t n0, const float* v, int lanes) {
+  alignas(32) float shifted[16];
+  if (a.off) {
+    for (int h = 0; h < lanes; h += 8) w4a8_offsets(a, m, n0 + h, v + h, shifted + h);
+    v = shifted;
+  }
   for (int l = 0; l < lanes && n0 + l < a.N; ++l) {
     float r = v[l];
     if (a.bias) r = r + a.bias[n0 + l];
@@ -1203,7 +1241,7 @@ struct W4Tiles {
 #endif
 
 static void w4a8_run(const W4Args& a, int64_t M) {
-  const int64_t group_bytes = a.Kp * kGroup / 2 + a.nblocks * kGroup * 2;
+  const int64_t group_bytes = a.Kp * kGroup / 2 + a.nblocks * kGroup * (a.off ? 4 : 2);
 #if SPECDECODE_AMX
   if (M >= kAmx4MinRows && amx_enabled()) {
     AmxRun<W4Args, W4Tiles>::run(a, M, group_bytes);
@@ -1228,7 +1266,7 @@ struct Lin {
 };
 
 static const char* check_lin(const Lin& l) {
-  if (l.fmt < kF32 || l.fmt > kW4A8 || l.K < 0 || l.N < 0 || (l.N > 0 && l.w == nullptr)) return "bad weight";
+  if (l.fmt < kF32 || l.fmt > kW4A8O || l.K < 0 || l.N < 0 || (l.N > 0 && l.w == nullptr)) return "bad weight";
   if (l.fmt <= kI8 ? l.ldw < ((l.K + 7) / 8) * 8 : (l.ldw % kQBlock != 0 || l.ldw < l.K)) return "bad weight stride";
   if (l.fmt >= kI8 && l.scale == nullptr) return "missing scale";
   return nullptr;
@@ -1248,12 +1286,13 @@ static void linear(const Lin& l, const float* x, int64_t ldx, int64_t M, float* 
     a.y = y;
     a.ldy = ldy;
     with_quantized_x(x, ldx, l.K, l.ldw, M, [&](const QAct& q) { a.x = q; w8a8_run(a, M); });
-  } else if (l.fmt == kW4A8) {
+  } else if (l.fmt == kW4A8 || l.fmt == kW4A8O) {
     W4Args a;
     a.w = static_cast<const uint8_t*>(l.w);
     a.s = static_cast<const uint16_t*>(l.scale);
     a.Kp = l.ldw;
     a.nblocks = l.ldw / kQBlock;
+    a.off = l.fmt == kW4A8O ? a.s + (l.N + kGroup - 1) / kGroup * a.nblocks * kGroup : nullptr;
     a.N = l.N;
     a.bias = l.bias;
     a.y = y;

@@ -22,9 +22,11 @@ Weight formats (``pack_linear``):
     multiplied by activations that the kernel quantizes per row in blocks of 32 (``quantize_activations``),
     with exact integer dot products (AVX-512 VNNI or AVX2). Integer sums have no order, so row
     invariance is free, and a pass over several rows costs little more than over one.
-  * ``w4a8``: 4-bit weights, one fp16 scale per 32 weights of a channel (``w = s * q``, q in -8..7; the scale
-    is the best of a few candidates per block), with the same quantized activations and integer dot products.
-    Half the bytes of w8a8: meant for draft models, whose quality only sets the acceptance rate.
+  * ``w4a8``: 4-bit weights, one fp16 scale and one fp16 offset per 32 weights of a channel
+    (``w = s * q - o``, q in -8..7; per block the best of a few symmetric (o = 0) and affine grids), with the
+    same quantized activations and integer dot products. An affine grid holds a GGUF Q4_K block as it is
+    stored (up to fp16 rounding of its scale and minimum), so a Q4_K_M checkpoint keeps its quality at about
+    half the bytes of w8a8; a format without any offset skips their epilogue.
 For fp32/bf16/int8, activations and accumulation are fp32.
 
 Non-CPU inputs (e.g. CUDA) use ``F.linear`` on a dequantized weight cached on that device; bitwise row
@@ -46,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 FORMATS = ("fp32", "bf16", "int8", "w8a8", "w4a8")
 _FMT_CODE = {"fp32": 0, "bf16": 1, "int8": 2, "w8a8": 3, "w4a8": 4}
+_W4_OFFSETS_CODE = 5  # cpu_linear.cpp's kW4A8O: w4a8 whose scale tensor also holds block offsets
 _WEIGHT_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "w8a8": torch.uint8,
                  "w4a8": torch.uint8}
 _K_ALIGN = {"fp32": 8, "bf16": 8, "int8": 8, "w8a8": 32, "w4a8": 32}
@@ -75,8 +78,9 @@ class PackedLinear:
 
     ``weight`` is ``[N, Kp]`` (Kp = K rounded up to a multiple of 8, zero padded) of dtype float32,
     bfloat16 or int8 depending on ``fmt``; for w8a8 it is uint8 ``[ceil(N / 16), Kp * 16]`` in the
-    interleaved layout (``_interleave``), for w4a8 uint8 ``[ceil(N / 16), Kp * 8]`` (``_pack_w4``). ``scale`` is
-    float32 ``[N]`` for int8 and w8a8, float16 ``[ceil(N / 16), Kp / 32 * 16]`` for w4a8, else None.
+    interleaved layout (``_interleave``), for w4a8 uint8 ``[ceil(N / 16), Kp * 8]`` (``_w4_pack``). ``scale`` is
+    float32 ``[N]`` for int8 and w8a8; for w4a8 float16 ``[ceil(N / 16), Kp / 32 * 16]`` block scales, or
+    ``[2, ceil(N / 16), Kp / 32 * 16]`` block scales then block offsets; else None.
     A plain object (not an nn.Module) so that it never shows up in a model's state_dict.
     """
 
@@ -114,7 +118,8 @@ class PackedLinear:
             if (w.dtype != torch.uint8 or w.ndim != 2 or not w.is_contiguous() or not w.is_cpu or w.shape[0] != G
                     or Kp < K or Kp % ACT_BLOCK or w.shape[1] != Kp * W8A8_GROUP // 2 or scale is None
                     or scale.dtype != torch.float16 or not scale.is_contiguous() or not scale.is_cpu
-                    or tuple(scale.shape) != (G, Kp // ACT_BLOCK * W8A8_GROUP)):
+                    or tuple(scale.shape)[-2:] != (G, Kp // ACT_BLOCK * W8A8_GROUP)
+                    or scale.shape[:-2] not in ((), (2,))):
                 raise ValueError(f"w4a8_linear: malformed packed weight {tuple(w.shape)} {w.dtype} for {self!r}")
             stride = Kp
         elif (w.dtype != _WEIGHT_DTYPE[self.fmt] or w.ndim != 2 or w.shape[0] != N or w.stride(1) != 1
@@ -129,7 +134,8 @@ class PackedLinear:
                 scale = scale.to(device="cpu", dtype=torch.float32).contiguous()
         elif self.fmt != "w4a8":  # w4a8's fp16 block scales were checked above
             scale = None
-        args = (w.data_ptr(), stride, _FMT_CODE[self.fmt], scale)
+        code = _W4_OFFSETS_CODE if self.fmt == "w4a8" and scale.ndim == 3 else _FMT_CODE[self.fmt]
+        args = (w.data_ptr(), stride, code, scale)
         self._checked = (key, args)
         return args
 
@@ -140,8 +146,7 @@ class PackedLinear:
     def select_rows(self, rows: torch.Tensor) -> "PackedLinear":
         """The same format restricted to output channels ``rows`` (copied)."""
         if self.fmt == "w4a8":
-            q, sc = _w4_unpack_rows(self, rows)
-            return _w4_pack(q, sc, self.in_features)
+            return _w4_pack(*_w4_unpack_rows(self, rows), self.in_features)
         scale = self.scale[rows].contiguous() if self.scale is not None else None
         if self.fmt == "w8a8":
             return PackedLinear(self.fmt, _interleave(_w8a8_rows(self, 0, self.out_features)[rows]), scale,
@@ -227,9 +232,12 @@ def _w8a8_rows(packed: PackedLinear, n0: int, n1: int) -> torch.Tensor:
     return rows[n0 - g0 * W8A8_GROUP:n1 - g0 * W8A8_GROUP]
 
 
-# Candidate scales per block of 32: the block's largest-magnitude value v maps to -c (c below), so q = -8
-# is used; the candidate with the least squared error wins. Smaller c clip less often, larger c round finer.
+# Candidate grids per block of 32. Symmetric (offset 0): the block's largest-magnitude value v maps to -c (c
+# below), so q = -8 is used; smaller c clip less often, larger c round finer. Affine: the block's range split
+# into n steps from its minimum (q = -8), which is how GGUF's Q4_K stores a block (n = its largest q minus its
+# smallest). The candidate with the least squared error wins.
 _W4_DIVISORS = (8.0, 7.75, 7.5, 7.25, 7.0, 6.75, 6.5, 6.0)
+_W4_SPANS = (15, 14, 13, 12, 11, 10)
 
 
 def _quantize_w4(w: torch.Tensor) -> PackedLinear:
@@ -238,32 +246,40 @@ def _quantize_w4(w: torch.Tensor) -> PackedLinear:
     nb = Kp // ACT_BLOCK
     q = torch.zeros(N, Kp, dtype=torch.int8, device=w.device)
     sc = torch.zeros(N, nb, dtype=torch.float16, device=w.device)
+    off = torch.zeros(N, nb, dtype=torch.float16, device=w.device)
     step = max(1, (1 << 20) // Kp)
     for n0 in range(0, N, step):
         blk = F.pad(w[n0:n0 + step].float(), (0, Kp - K)).view(-1, nb, ACT_BLOCK)
         v = blk.gather(2, blk.abs().argmax(dim=2, keepdim=True))  # signed extreme of each block
-        best_err = best_q = best_s = None
-        for c in _W4_DIVISORS:
-            s = (-v / c).half().float()  # the kernel multiplies by the fp16 scale: quantize against it
+        lo, hi = blk.amin(dim=2, keepdim=True), blk.amax(dim=2, keepdim=True)
+        zero = torch.zeros_like(v)
+        grids = [((-v / c).half().float(), zero) for c in _W4_DIVISORS]
+        for n in _W4_SPANS:
+            s = ((hi - lo) / n).half().float()
+            grids.append((s, (-8.0 * s - lo).half().float()))
+        best_err = best_q = best_s = best_o = None
+        for s, o in grids:  # the kernel multiplies by the fp16 scale and offset: quantize against them
             inv = torch.where(s != 0, 1.0 / s, torch.zeros_like(s))
-            qq = torch.round(blk * inv).clamp_(-8, 7)
-            err = (qq * s - blk).pow_(2).sum(dim=2, keepdim=True)
+            qq = torch.round((blk + o) * inv).clamp_(-8, 7)
+            err = (qq * s - o - blk).pow_(2).sum(dim=2, keepdim=True)
             if best_err is None:
-                best_err, best_q, best_s = err, qq, s
+                best_err, best_q, best_s, best_o = err, qq, s, o
             else:
                 better = err < best_err
                 best_err = torch.where(better, err, best_err)
                 best_q = torch.where(better, qq, best_q)
                 best_s = torch.where(better, s, best_s)
+                best_o = torch.where(better, o, best_o)
         q[n0:n0 + step] = best_q.view(-1, Kp).to(torch.int8)
         sc[n0:n0 + step] = best_s.view(-1, nb).half()
-    return _w4_pack(q, sc, K)
+        off[n0:n0 + step] = best_o.view(-1, nb).half()
+    return _w4_pack(q, sc, off if bool(off.any()) else None, K)
 
 
-def _w4_pack(q: torch.Tensor, sc: torch.Tensor, K: int) -> PackedLinear:
-    """int8 ``q [N, Kp]`` (-8..7) and fp16 ``sc [N, Kp / 32]`` -> the kernel's w4a8 layout: per group of 16
-    channels and quarter of 8 K values, 64 bytes; lane l's byte i holds q+8 of k0+i (low nibble) and of k0+4+i
-    (high nibble). Padding channels are 0 with scale 0."""
+def _w4_pack(q: torch.Tensor, sc: torch.Tensor, off: torch.Tensor | None, K: int) -> PackedLinear:
+    """int8 ``q [N, Kp]`` (-8..7), fp16 ``sc [N, Kp / 32]`` and fp16 offsets of the same shape (or None: all
+    0) -> the kernel's w4a8 layout: per group of 16 channels and quarter of 8 K values, 64 bytes; lane l's byte i
+    holds q+8 of k0+i (low nibble) and of k0+4+i (high nibble). Padding channels are 0 with scale 0."""
     N, Kp = q.shape
     G, nb = -(-N // W8A8_GROUP), Kp // ACT_BLOCK
     u = torch.full((G * W8A8_GROUP, Kp), 8, dtype=torch.uint8, device=q.device)
@@ -271,20 +287,27 @@ def _w4_pack(q: torch.Tensor, sc: torch.Tensor, K: int) -> PackedLinear:
     u = u.view(G, W8A8_GROUP, nb, 4, 2, 4)                   # [g, lane, block, quarter, nibble, byte]
     byte = u[:, :, :, :, 0] | (u[:, :, :, :, 1] << 4)        # [g, lane, block, quarter, byte]
     weight = byte.permute(0, 2, 3, 1, 4).contiguous().view(G, Kp * W8A8_GROUP // 2)
-    s = torch.zeros(G * W8A8_GROUP, nb, dtype=torch.float16, device=q.device)
-    s[:N] = sc
-    scale = s.view(G, W8A8_GROUP, nb).permute(0, 2, 1).contiguous().view(G, nb * W8A8_GROUP)
+
+    def by_group(t: torch.Tensor) -> torch.Tensor:  # [N, nb] -> [G, nb * 16], channels innermost
+        out = torch.zeros(G * W8A8_GROUP, nb, dtype=torch.float16, device=q.device)
+        out[:N] = t
+        return out.view(G, W8A8_GROUP, nb).permute(0, 2, 1).contiguous().view(G, nb * W8A8_GROUP)
+
+    scale = by_group(sc) if off is None else torch.stack([by_group(sc), by_group(off)])
     return PackedLinear("w4a8", weight, scale, K, N)
 
 
-def _w4_unpack(packed: PackedLinear, n0: int = 0, n1: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logical ``q [n1 - n0, Kp]`` (int8, -8..7) and fp16 scales ``[n1 - n0, Kp / 32]`` of a w4a8 weight."""
+def _w4_unpack(packed: PackedLinear, n0: int = 0, n1: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Logical ``q [n1 - n0, Kp]`` (int8, -8..7), fp16 scales ``[n1 - n0, Kp / 32]`` and offsets (or None) of a
+    w4a8 weight."""
     n1 = packed.out_features if n1 is None else min(n1, packed.out_features)
     return _w4_unpack_rows(packed, torch.arange(n0, n1))
 
 
-def _w4_unpack_rows(packed: PackedLinear, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logical ``q`` and scales of just the channels ``rows`` (in that order), touching only their bytes: a
+def _w4_unpack_rows(packed: PackedLinear, rows: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Logical ``q``, scales and offsets of just the channels ``rows`` (in that order), touching only their bytes: a
     draft head picks rows out of a 150k-row weight at run time, so unpacking all of it is not an option."""
     rows = rows.to(packed.weight.device)
     Kp = packed.weight.shape[1] * 2 // W8A8_GROUP
@@ -294,8 +317,9 @@ def _w4_unpack_rows(packed: PackedLinear, rows: torch.Tensor) -> tuple[torch.Ten
     byte = packed.weight.view(G, nb, 4, W8A8_GROUP, 4)[g, :, :, lane, :]  # [n, block, quarter, byte]
     u = torch.stack([byte & 0x0F, byte >> 4], dim=3)                       # [n, block, quarter, nibble, byte]
     q = u.reshape(len(rows), Kp).to(torch.int8) - 8
-    s = packed.scale.view(G, nb, W8A8_GROUP)[g, :, lane]
-    return q, s
+    tables = packed.scale if packed.scale.ndim == 3 else packed.scale[None]
+    s, *o = (t.view(G, nb, W8A8_GROUP)[g, :, lane] for t in tables)
+    return q, s, (o[0] if o else None)
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
@@ -319,8 +343,11 @@ def dequantize(packed: PackedLinear) -> torch.Tensor:
 def _dequantize_rows(packed: PackedLinear, n0: int, n1: int) -> torch.Tensor:
     """float32 weight rows [n0, n1) (a view for fp32, a new tensor otherwise)."""
     if packed.fmt == "w4a8":
-        q, sc = _w4_unpack(packed, n0, n1)
-        w = (q.float().view(q.shape[0], -1, ACT_BLOCK) * sc.float()[:, :, None]).view(q.shape[0], -1)
+        q, sc, off = _w4_unpack(packed, n0, n1)
+        w = q.float().view(q.shape[0], -1, ACT_BLOCK) * sc.float()[:, :, None]
+        if off is not None:
+            w = w - off.float()[:, :, None]
+        w = w.view(q.shape[0], -1)
         return w[:, :packed.in_features]
     if packed.fmt == "w8a8":
         n1 = min(n1, packed.out_features)

@@ -305,7 +305,9 @@ def _convert(path: Path, dtype: str, device: str, max_model_len: int | None, qua
     # Only linear weights take the low-precision dtype on CPU; norms and embeddings stay fp32 there.
     linear_weights = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, Linear)}
     # A quantized CPU model keeps its embedding table in the checkpoint's encoding (layers/embedding.py).
-    packed_embedding = dev.type == "cpu" and quantization in kernels.QUANTIZED
+    packed_embedding = dev.type == "cpu" and (quantization in kernels.QUANTIZED or quantization == MIXED)
+    # "mixed": the linears whose checkpoint tensors are all 4-bit (these names) get w4a8, the others w8a8
+    four_bit: set[str] = set()
     mapped = _mapped_names(fam, names)
     embed_sources = {n for n, ours in mapped.items() if "embed_tokens.weight" in ours} if packed_embedding else set()
     tied = not any("lm_head.weight" in ours for ours in mapped.values())
@@ -327,14 +329,19 @@ def _convert(path: Path, dtype: str, device: str, max_model_len: int | None, qua
                 model.embed_tokens = PackedEmbedding(table, encoding, args.vocab_size, args.hidden_size)
                 done.add("embed_tokens.weight")
                 if tied:  # the head is the same table at full precision, packed
+                    if is_gguf and gguf.tensor_type(name) in FOUR_BIT_GGUF:
+                        four_bit.add("embed_tokens.weight")
                     head = [t for o, t in FAMILIES[fam].map_weight(name, load(name)) if o == "embed_tokens.weight"]
-                    _pack_head(model, head[0].to(target_dtype), quantization)
+                    _pack_head(model, head[0].to(target_dtype), _format_of("lm_head", quantization, four_bit,
+                                                                           "embed_tokens.weight"))
                     done.add("lm_head.weight")
                 bar.update(1)
                 continue
             for ours, t in FAMILIES[fam].map_weight(name, load(name)):
                 if ours not in params:
                     continue
+                if is_gguf and gguf.tensor_type(name) in FOUR_BIT_GGUF:
+                    four_bit.add(ours)
                 want = tuple(params[ours].shape)
                 if tuple(t.shape) != want:
                     raise ValueError(f"Tensor {name} in {path} has shape {tuple(t.shape)}, but the config "
@@ -343,7 +350,7 @@ def _convert(path: Path, dtype: str, device: str, max_model_len: int | None, qua
                 t = t.to(device=dev, dtype=keep)
                 done.add(ours)
                 if ours == "lm_head.weight" and dev.type == "cpu":  # packed now: never held at full precision
-                    _pack_head(model, t, quantization)
+                    _pack_head(model, t, _format_of("lm_head", quantization, four_bit))
                     continue
                 loaded[ours] = t
                 i = layer_of.get(ours)
@@ -351,7 +358,7 @@ def _convert(path: Path, dtype: str, device: str, max_model_len: int | None, qua
                     pending[i].discard(ours)
                     if not pending[i]:
                         del pending[i]
-                        _finish_layer(model, i, loaded, quantization)
+                        _finish_layer(model, i, loaded, quantization, four_bit)
             bar.update(1)
     if is_gguf:
         gguf.close()
@@ -366,7 +373,7 @@ def _convert(path: Path, dtype: str, device: str, max_model_len: int | None, qua
     _finish_model(model, args, max_model_len, dev)
     for m in model.modules():
         if isinstance(m, Linear) and m.packed is None and m.weight is not None:  # the head; layers are done
-            m.prepare(quantization)
+            m.prepare(_format_of("lm_head", quantization, four_bit, "embed_tokens.weight"))
     return LoadedModel(model, config, path, is_gguf, max_model_len)
 
 
@@ -375,16 +382,36 @@ def _pack_head(model: CausalLM, weight: torch.Tensor, quantization: str | None) 
     model.lm_head.prepare(quantization)
 
 
-def _finish_layer(model: CausalLM, i: int, loaded: dict[str, torch.Tensor], quantization: str | None) -> None:
+# GGUF storage types of 4 bits or fewer per weight: under quantization="mixed" their linears become w4a8, whose
+# affine blocks hold a Q4_K block as stored; wider types (Q5_K, Q6_K, Q8_0, F16, ...) become w8a8.
+FOUR_BIT_GGUF = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS",
+                           "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M"})
+MIXED = "mixed"
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _format_of(module: str, quantization: str | None, four_bit: set[str], source: str | None = None) -> str | None:
+    """The weight format of linear ``module`` (our name; a fused one stands for its parts): ``quantization``, or
+    under "mixed" w4a8 where every part's checkpoint tensor (``source``, else the module's weight) is 4-bit."""
+    if quantization != MIXED:
+        return quantization
+    prefix, _, last = module.rpartition(".")
+    parts = [source] if source else [f"{prefix}.{p}.weight" if prefix else f"{p}.weight"
+                                     for p in _FUSED.get(last, (last,))]
+    return "w4a8" if all(p in four_bit for p in parts) else "w8a8"
+
+
+def _finish_layer(model: CausalLM, i: int, loaded: dict[str, torch.Tensor], quantization: str | None,
+                  four_bit: set[str] = frozenset()) -> None:
     """Assign layer i's tensors (taken out of ``loaded``), fuse its projections and pack its linears."""
     prefix = f"layers.{i}."
     state = {n[len(prefix):]: loaded.pop(n) for n in [n for n in loaded if n.startswith(prefix)]}
     layer = model.layers[i]
     layer.load_state_dict(state, strict=True, assign=True)
     layer.fuse_projections()
-    for m in layer.modules():
+    for name, m in layer.named_modules():
         if isinstance(m, Linear):
-            m.prepare(quantization)
+            m.prepare(_format_of(f"{prefix}{name}", quantization, four_bit))
 
 
 def resolve_dtype(dtype: str, config: dict, device: str) -> torch.dtype:

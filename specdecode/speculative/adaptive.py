@@ -604,7 +604,8 @@ class AdaptiveK:
                 notice("Timing speculative decoding's pass costs for this setup (once; kept for later starts)")
                 return calibrate(target, draft, k_max, max_len, batch=batch)
 
-            costs, hit = cached_calibration(key, run, cache_dir(), refresh)
+            files = [f for part in ("target", "draft") for f, *_ in parts[part] or ()]
+            costs, hit = cached_calibration(key, run, cache_dir(), refresh, files)
             if not hit:
                 logger.info("Calibrated adaptive speculation costs in %.1f s (kept for later starts)",
                             time.perf_counter() - t0)
@@ -849,12 +850,13 @@ def _costs_from_json(d: dict) -> CostModel:
 
 
 def cached_calibration(key: str, run: Callable[[], CostModel], directory: Path | None,
-                       refresh: bool = False) -> tuple[CostModel, bool]:
+                       refresh: bool = False, files: list[str] | None = None) -> tuple[CostModel, bool]:
     """The calibration stored under ``key`` in ``directory`` (see calibration_key), else ``run()``'s result,
     stored for the next engine start unless other processes kept the CPUs busy while it ran (see
     MAX_OTHER_CPU_SHARE; ``refresh``: always run, and replace what is stored). Returns (costs,
-    whether they came from the cache). A missing, corrupt or unwritable cache only costs the calibration:
-    it is never an error."""
+    whether they came from the cache). ``files``: the model files the costs are for; once one of them is gone
+    the entry is dropped first when the cache is full. A missing, corrupt or unwritable cache only costs the
+    calibration: it is never an error."""
     path = directory / _COSTS_FILE if directory is not None else None
     entries: dict = {}
     if path is not None and path.is_file():
@@ -877,10 +879,14 @@ def cached_calibration(key: str, run: Callable[[], CostModel], directory: Path |
                        "the costs are used for this run but not kept, and a later start calibrates again.",
                        100 * share)
         return costs, False
-    entries[key] = dict(_costs_to_json(costs), saved=time.time())
-    if len(entries) > _MAX_CACHED_COSTS:  # keep the newest entries
-        keep = sorted(entries, key=lambda k: entries[k].get("saved", 0) if isinstance(entries[k], dict) else 0)
-        for k in keep[:len(entries) - _MAX_CACHED_COSTS]:
+    entries[key] = dict(_costs_to_json(costs), saved=time.time(), files=list(files or ()))
+    if len(entries) > _MAX_CACHED_COSTS:
+        # Entries for models whose files are gone (a test's temporary model, say) go first, then the oldest.
+        def worth(k: str) -> tuple[bool, float]:
+            e = entries[k] if isinstance(entries[k], dict) else {}
+            files = e.get("files") if isinstance(e.get("files"), list) else []
+            return all(isinstance(f, str) and os.path.exists(f) for f in files), e.get("saved", 0)
+        for k in sorted(entries, key=worth)[:len(entries) - _MAX_CACHED_COSTS]:
             entries.pop(k)
     try:
         directory.mkdir(parents=True, exist_ok=True)
