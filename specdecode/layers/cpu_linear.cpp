@@ -863,10 +863,10 @@ static void with_quantized_x(const float* x, int64_t ldx, int64_t K, int64_t Kp,
 // turns the unsigned nibbles into the signed weights.
 //
 // With offsets (kW4A8O, what affine 4-bit checkpoints such as GGUF's Q4_K need), w[n, k] = s[n, b] * (u - 8)
-// - o[n, b], and after the loop above every (row, channel) takes, once per block in order,
-//   acc = fma(-(d_b * sum_{k in b} q[m, k]), o[n, b], acc)
-// in w4a8_store, which every path (VNNI, AMX, AVX2, scalar) ends with: the integer loops are untouched and the
-// paths still agree bit for bit. Offsets are fp16 [groups, blocks, 16] right after the scales.
+// - o[n, b], and every (row, channel) also sums its offsets' share in a chain of its own, in block order,
+//   c = 0;   c = fma(-(d_b * sum_{k in b} q[m, k]), o[n, b], c)   for b = 0, 1, ...;   y[m, n] = (acc + c) + bias[n]
+// which w4a8_store, the end of every path (VNNI, AMX, AVX2, scalar), applies: the integer loops are untouched
+// and the paths still agree bit for bit. Offsets are fp16 [groups, blocks, 16] right after the scales.
 // =============================================================================================
 struct W4Args {
   QAct x;
@@ -903,29 +903,40 @@ static inline float half_to_float(uint16_t h) {  // exact, including subnormals
   return f;
 }
 
-// v = acc - sum_b d_b * sum(q in b) * o[n, b] for 8 channels from n0 (a multiple of 8) of row m.
-static inline void w4a8_offsets(const W4Args& a, int64_t m, int64_t n0, const float* v, float* out) {
+// The offsets' chain c (see above) of R rows from m0 for 8 channels from n0 (a multiple of 8): each offset
+// vector is loaded once for all R rows.
+template <int R>
+static inline void w4a8_offsets(const W4Args& a, int64_t m0, int64_t n0, float (*c)[8]) {
   const uint16_t* o = a.off + (n0 / kGroup) * a.nblocks * kGroup + n0 % kGroup;
-  const float* c = a.x.noff + m * a.x.ldb;
+  const float* nq = a.x.noff + m0 * a.x.ldb;
 #if SPECDECODE_AVX2 && defined(__F16C__)
-  __m256 acc = _mm256_loadu_ps(v);
-  for (int64_t b = 0; b < a.nblocks; ++b)
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(c[b]),
-                          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + b * kGroup))), acc);
-  _mm256_storeu_ps(out, acc);
-#else
-  for (int l = 0; l < 8; ++l) {
-    float acc = v[l];
-    for (int64_t b = 0; b < a.nblocks; ++b) acc = std::fma(c[b], half_to_float(o[b * kGroup + l]), acc);
-    out[l] = acc;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < a.nblocks; ++b) {
+    const __m256 ob = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + b * kGroup)));
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(nq[r * a.x.ldb + b]), ob, acc[r]);
   }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(c[r], acc[r]);
+#else
+  for (int r = 0; r < R; ++r)
+    for (int l = 0; l < 8; ++l) {
+      float acc = 0.0f;
+      for (int64_t b = 0; b < a.nblocks; ++b) acc = std::fma(nq[r * a.x.ldb + b], half_to_float(o[b * kGroup + l]), acc);
+      c[r][l] = acc;
+    }
 #endif
 }
 
-static inline void w4a8_store(const W4Args& a, int64_t m, int64_t n0, const float* v, int lanes) {
+// y[m, n0 + l] = (v[l] + c[l]) + bias for the lanes inside N; c: the offsets' chain, computed here if not given.
+static inline void w4a8_store(const W4Args& a, int64_t m, int64_t n0, const float* v, int lanes,
+                              const float* c = nullptr) {
   alignas(32) float shifted[16];
   if (a.off) {
-    for (int h = 0; h < lanes; h += 8) w4a8_offsets(a, m, n0 + h, v + h, shifted + h);
+    alignas(32) float own[2][8];
+    if (c == nullptr) {
+      for (int h = 0; h < lanes; h += 8) w4a8_offsets<1>(a, m, n0 + h, &own[h / 8]);
+    }
+    for (int l = 0; l < lanes; ++l) shifted[l] = v[l] + (c ? c[l] : own[l / 8][l % 8]);
     v = shifted;
   }
   for (int l = 0; l < lanes && n0 + l < a.N; ++l) {
@@ -1131,17 +1142,33 @@ static inline void w4a8_group(const W4Args& a, int64_t m0, int64_t g) {
   }
 #pragma GCC unroll 2
   for (int h = 0; h < H; ++h) {
-    alignas(32) float out[8];
+    alignas(32) float out[8], c[R][8];
+    if (a.off) w4a8_offsets<R>(a, m0, g * kGroup + 8 * h, c);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       _mm256_store_ps(out, acc[r][h]);
-      w4a8_store(a, m0 + r, g * kGroup + 8 * h, out, 8);
+      w4a8_store(a, m0 + r, g * kGroup + 8 * h, out, 8, a.off ? c[r] : nullptr);
     }
+  }
+}
+#ifndef SPECDECODE_W4_ROWS
+#define SPECDECODE_W4_ROWS 2
+#endif
+// Rows per pass over a group: more rows' int16 and float accumulators than the 16 ymm registers hold spill on
+// every block, and a second pass over the group reads its few KB from L1.
+constexpr int kW4Rows = SPECDECODE_W4_ROWS;
+template <int R>
+static inline void w4a8_group_rows(const W4Args& a, int64_t m0, int64_t g) {
+  if constexpr (R <= kW4Rows) {
+    w4a8_group<R>(a, m0, g);
+  } else {
+    w4a8_group<kW4Rows>(a, m0, g);
+    w4a8_group_rows<R - kW4Rows>(a, m0 + kW4Rows, g);
   }
 }
 template <int R, int C>
 static inline void w4a8_tile(const W4Args& a, int64_t m0, int64_t g0) {
-  for (int c = 0; c < C; ++c) w4a8_group<R>(a, m0, g0 + c);
+  for (int c = 0; c < C; ++c) w4a8_group_rows<R>(a, m0, g0 + c);
 }
 constexpr int w4a8_width(int) { return 1; }
 
