@@ -1,8 +1,9 @@
 """The defaults, as one named preset: what ``LLM()``, ``Engine()`` and ``specdecode generate/chat/serve`` run
 when no option says otherwise. Change the defaults here and nowhere else.
 
-``FAST`` is the fastest configuration measured on CPU (docs/benchmarks.md has the runs behind it): an int8
-target (w8a8), a 4-bit draft (w4a8), prompt lookup first and the draft model where nothing matches, k chosen
+``FAST`` is the fastest configuration measured on CPU (docs/benchmarks.md has the runs behind it): a target whose
+4-bit GGUF tensors stay 4-bit (w4a8, Q4_K blocks as stored) and whose wider ones are int8 (w8a8) ("mixed"), a
+4-bit draft (w4a8), prompt lookup first and the draft model where nothing matches, k chosen
 per step up to 4 for the draft model and 12 for lookups, and a draft head truncated to the 32768 most frequent
 tokens where a frequency ranking is known for the tokenizer. Every part is an opt-out (see README).
 """

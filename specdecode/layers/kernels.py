@@ -240,6 +240,39 @@ _W4_DIVISORS = (8.0, 7.75, 7.5, 7.25, 7.0, 6.75, 6.5, 6.0)
 _W4_SPANS = (15, 14, 13, 12, 11, 10)
 
 
+def _w4_search(blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, scale, offset) of the candidate grid with the least squared error for each block of ``blk [B, 32]``;
+    scale and offset as the kernel sees them (fp16 values, in float32), shapes [B, 32], [B, 1], [B, 1]."""
+    v = blk.gather(1, blk.abs().argmax(dim=1, keepdim=True))  # signed extreme of each block
+    lo, hi = blk.amin(dim=1, keepdim=True), blk.amax(dim=1, keepdim=True)
+    zero = torch.zeros_like(v)
+    grids = [((-v / c).half().float(), zero) for c in _W4_DIVISORS]
+    grids += [_affine(lo, hi, n) for n in _W4_SPANS]
+    best_err = best_q = best_s = best_o = None
+    for s, o in grids:  # the kernel multiplies by the fp16 scale and offset: quantize against them
+        qq = _on_grid(blk, s, o)
+        err = (qq * s - o - blk).pow_(2).sum(dim=1, keepdim=True)
+        if best_err is None:
+            best_err, best_q, best_s, best_o = err, qq, s, o
+        else:
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_q = torch.where(better, qq, best_q)
+            best_s = torch.where(better, s, best_s)
+            best_o = torch.where(better, o, best_o)
+    return best_q, best_s, best_o
+
+
+def _affine(lo: torch.Tensor, hi: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    s = ((hi - lo) / n).half().float()
+    return s, (-8.0 * s - lo).half().float()
+
+
+def _on_grid(blk: torch.Tensor, s: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    inv = torch.where(s != 0, 1.0 / s, torch.zeros_like(s))
+    return torch.round((blk + o) * inv).clamp_(-8, 7)
+
+
 def _quantize_w4(w: torch.Tensor) -> PackedLinear:
     N, K = w.shape
     Kp = _round_up(K, ACT_BLOCK)
@@ -249,30 +282,19 @@ def _quantize_w4(w: torch.Tensor) -> PackedLinear:
     off = torch.zeros(N, nb, dtype=torch.float16, device=w.device)
     step = max(1, (1 << 20) // Kp)
     for n0 in range(0, N, step):
-        blk = F.pad(w[n0:n0 + step].float(), (0, Kp - K)).view(-1, nb, ACT_BLOCK)
-        v = blk.gather(2, blk.abs().argmax(dim=2, keepdim=True))  # signed extreme of each block
-        lo, hi = blk.amin(dim=2, keepdim=True), blk.amax(dim=2, keepdim=True)
-        zero = torch.zeros_like(v)
-        grids = [((-v / c).half().float(), zero) for c in _W4_DIVISORS]
-        for n in _W4_SPANS:
-            s = ((hi - lo) / n).half().float()
-            grids.append((s, (-8.0 * s - lo).half().float()))
-        best_err = best_q = best_s = best_o = None
-        for s, o in grids:  # the kernel multiplies by the fp16 scale and offset: quantize against them
-            inv = torch.where(s != 0, 1.0 / s, torch.zeros_like(s))
-            qq = torch.round((blk + o) * inv).clamp_(-8, 7)
-            err = (qq * s - o - blk).pow_(2).sum(dim=2, keepdim=True)
-            if best_err is None:
-                best_err, best_q, best_s, best_o = err, qq, s, o
-            else:
-                better = err < best_err
-                best_err = torch.where(better, err, best_err)
-                best_q = torch.where(better, qq, best_q)
-                best_s = torch.where(better, s, best_s)
-                best_o = torch.where(better, o, best_o)
-        q[n0:n0 + step] = best_q.view(-1, Kp).to(torch.int8)
-        sc[n0:n0 + step] = best_s.view(-1, nb).half()
-        off[n0:n0 + step] = best_o.view(-1, nb).half()
+        blk = F.pad(w[n0:n0 + step].float(), (0, Kp - K)).view(-1, ACT_BLOCK)
+        # Blocks that already lie on a 15-step affine grid (a Q4_K block spanning all 16 levels, most of them in
+        # a Q4_K checkpoint) keep it: up to the fp16 rounding of its scale and offset nothing fits better, and the
+        # full search is only run for the rest.
+        s, o = _affine(blk.amin(dim=1, keepdim=True), blk.amax(dim=1, keepdim=True), _W4_SPANS[0])
+        qq = _on_grid(blk, s, o)
+        fit = ((qq * s - o - blk).abs() <= 0.01 * s + 2.0 ** -10 * o.abs()).all(dim=1)
+        rest = (~fit).nonzero().squeeze(1)
+        if len(rest):
+            qq[rest], s[rest], o[rest] = _w4_search(blk[rest])
+        q[n0:n0 + step] = qq.view(-1, Kp).to(torch.int8)
+        sc[n0:n0 + step] = s.view(-1, nb).half()
+        off[n0:n0 + step] = o.view(-1, nb).half()
     return _w4_pack(q, sc, off if bool(off.any()) else None, K)
 
 
