@@ -27,7 +27,8 @@ def run(args) -> int:
         raise CLIError(f"two different models given: {args.model_tag} and --model {flag_model}")
     model = args.model_tag or flag_model
     ray_only = [f for f, v in (("--num-replicas", args.num_replicas), ("--ray-address", args.ray_address),
-                               ("--num-cpus-per-replica", args.num_cpus_per_replica)) if v is not None]
+                               ("--num-cpus-per-replica", args.num_cpus_per_replica),
+                               ("--request-router", args.request_router)) if v is not None]
     if ray_only and not args.ray:
         raise CLIError(f"{ray_only[0]} applies to a Ray Serve deployment: add --ray")
     if args.ray:

@@ -46,6 +46,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="Join this Ray cluster (default: $RAY_ADDRESS, else a local one).")
     r.add_argument("--num-cpus-per-replica", type=int, default=None, metavar="N",
                    help="CPUs Ray reserves per replica, also its engine's thread count unless --threads is given.")
+    r.add_argument("--request-router", choices=("prefix", "pow2"), default=None,
+                   help="How Ray Serve picks a replica: prefix (default: the replica that holds the longest shared "
+                        "prompt prefix, unless the load is imbalanced) or pow2 (Ray's power of two choices).")
     groups: dict[str, Any] = {"server": g}  # the table's serve-only options join the server flags
     options.add_options(parser, "serve", skip=("model",), groups=groups)
     groups["speculative"].add_argument(
