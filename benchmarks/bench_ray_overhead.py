@@ -13,10 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,27 +21,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_serving import launch  # noqa: E402
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Once upon a time", "Speculative decoding drafts"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(url: str, proc: subprocess.Popen, limit: float = 600.0) -> float:
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < limit:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                return time.perf_counter() - t0
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("server never became ready")
 
 
 def _pct(xs: list[float], p: float) -> float:
@@ -99,25 +77,15 @@ def main() -> None:
             sys.path.insert(0, str(ROOT / "tests"))
             from tiny import build_model
             model = str(build_model("llama", Path(tmp) / "tiny"))
-        common = [sys.executable, "-m", "specdecode", "serve", model, "--max-num-seqs", "4", "--threads",
-                  str(args.threads), "--spec-type", "ngram", "--max-model-len", "1024"]
+        serve = [sys.executable, "-m", "specdecode", "serve", model]
+        common = ["--max-num-seqs", "4", "--threads", str(args.threads), "--spec-type", "ngram",
+                  "--max-model-len", "1024"]
         results = {}
         for name, extra in (("single", []), ("ray", ["--ray", "--num-replicas", "1", "--num-cpus-per-replica",
                                                      str(args.threads)])):
-            port = _free_port()
-            url = f"http://127.0.0.1:{port}"
-            proc = subprocess.Popen(common + ["--port", str(port)] + extra, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-            try:
-                load = _wait(url, proc)
-                results[name] = dict(_measure(url, args.requests, args.max_tokens), load_s=load)
-            finally:
-                proc.terminate()
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            t0 = time.perf_counter()
+            with launch(common + extra, 600, command=serve) as url:
+                results[name] = dict(_measure(url, args.requests, args.max_tokens), load_s=time.perf_counter() - t0)
         same = results["single"].pop("texts") == results["ray"].pop("texts")
         for name, r in results.items():
             gap = r["chunk_gap_ms"] or {"p50": float("nan"), "p90": float("nan")}

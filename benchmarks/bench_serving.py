@@ -187,9 +187,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def launch(server_args: list[str], startup_timeout: float):
+def launch(server_args: list[str], startup_timeout: float, command: list[str] | None = None):
+    """Start a server (``command``, by default our OpenAI server module, plus --port and ``server_args``), wait
+    until /health answers, yield its URL, and stop it afterwards."""
     port = free_port()
-    cmd = [sys.executable, "-m", "specdecode.entrypoints.openai.api_server", "--port", str(port), *server_args]
+    base = command or [sys.executable, "-m", "specdecode.entrypoints.openai.api_server"]
+    cmd = [*base, "--port", str(port), *server_args]
     print(f"# starting: {' '.join(cmd)}", file=sys.stderr, flush=True)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=sys.stderr)
     url = f"http://127.0.0.1:{port}"
