@@ -295,13 +295,14 @@ def _quantize_w4(w: torch.Tensor) -> PackedLinear:
         q[n0:n0 + step] = qq.view(-1, Kp).to(torch.int8)
         sc[n0:n0 + step] = s.view(-1, nb).half()
         off[n0:n0 + step] = o.view(-1, nb).half()
-    return _w4_pack(q, sc, off if bool(off.any()) else None, K)
+    return _w4_pack(q, sc, off, K)
 
 
 def _w4_pack(q: torch.Tensor, sc: torch.Tensor, off: torch.Tensor | None, K: int) -> PackedLinear:
     """int8 ``q [N, Kp]`` (-8..7), fp16 ``sc [N, Kp / 32]`` and fp16 offsets of the same shape (or None: all
     0) -> the kernel's w4a8 layout: per group of 16 channels and quarter of 8 K values, 64 bytes; lane l's byte i
-    holds q+8 of k0+i (low nibble) and of k0+4+i (high nibble). Padding channels are 0 with scale 0."""
+    holds q+8 of k0+i (low nibble) and of k0+4+i (high nibble). Padding channels are 0 with scale 0. Offsets that
+    are all 0 are left out (the format without them, whose kernel skips their epilogue)."""
     N, Kp = q.shape
     G, nb = -(-N // W8A8_GROUP), Kp // ACT_BLOCK
     u = torch.full((G * W8A8_GROUP, Kp), 8, dtype=torch.uint8, device=q.device)
@@ -315,7 +316,7 @@ def _w4_pack(q: torch.Tensor, sc: torch.Tensor, off: torch.Tensor | None, K: int
         out[:N] = t
         return out.view(G, W8A8_GROUP, nb).permute(0, 2, 1).contiguous().view(G, nb * W8A8_GROUP)
 
-    scale = by_group(sc) if off is None else torch.stack([by_group(sc), by_group(off)])
+    scale = by_group(sc) if off is None or not bool(off.any()) else torch.stack([by_group(sc), by_group(off)])
     return PackedLinear("w4a8", weight, scale, K, N)
 
 

@@ -319,6 +319,8 @@ def _convert(path: Path, dtype: str, device: str, max_model_len: int | None, qua
     done: set[str] = set()
     with _progress(len(names), desc or f"Loading {path.name}") as bar:
         for name in names:
+            if is_gguf and gguf.tensor_type(name) in FOUR_BIT_GGUF:
+                four_bit.update(mapped[name])
             if name in embed_sources:
                 encoding, table = raw(name)
                 if table.shape[0] != args.vocab_size or (encoding == DENSE and tuple(table.shape) != (
@@ -329,8 +331,6 @@ def _convert(path: Path, dtype: str, device: str, max_model_len: int | None, qua
                 model.embed_tokens = PackedEmbedding(table, encoding, args.vocab_size, args.hidden_size)
                 done.add("embed_tokens.weight")
                 if tied:  # the head is the same table at full precision, packed
-                    if is_gguf and gguf.tensor_type(name) in FOUR_BIT_GGUF:
-                        four_bit.add("embed_tokens.weight")
                     head = [t for o, t in FAMILIES[fam].map_weight(name, load(name)) if o == "embed_tokens.weight"]
                     _pack_head(model, head[0].to(target_dtype), _format_of("lm_head", quantization, four_bit,
                                                                            "embed_tokens.weight"))
@@ -340,8 +340,6 @@ def _convert(path: Path, dtype: str, device: str, max_model_len: int | None, qua
             for ours, t in FAMILIES[fam].map_weight(name, load(name)):
                 if ours not in params:
                     continue
-                if is_gguf and gguf.tensor_type(name) in FOUR_BIT_GGUF:
-                    four_bit.add(ours)
                 want = tuple(params[ours].shape)
                 if tuple(t.shape) != want:
                     raise ValueError(f"Tensor {name} in {path} has shape {tuple(t.shape)}, but the config "
