@@ -33,8 +33,8 @@ def cache(tmp_path, monkeypatch) -> Path:
 
 
 class _Lines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
+    def __init__(self, level: int = logging.WARNING):
+        super().__init__(level)
         self.lines: list[str] = []
 
     def emit(self, record):
@@ -282,3 +282,101 @@ def test_gguf_quantized_embedding_and_tokenizer_cache(tmp_path, cache, monkeypat
             built.chat_template, built.eos_token, built.bos_token, built.pad_token, built.model_max_length)
         assert tok.name_or_path == str(real)
     assert len(list((cache / "tokenizers").iterdir())) == 1
+
+
+# ------------------------------------------------------------------------------------------------ size budget
+_ENTRY_FLOATS = 16 << 10  # a 64 KiB tensor: each entry is one 4 KiB header page plus the data
+
+
+class _LeveledLines(_Lines):
+    def emit(self, record):
+        self.lines.append((record.levelname, record.getMessage()))
+
+
+@pytest.fixture
+def log_seen():
+    """Every "specdecode" line from INFO up, as (level name, message)."""
+    h = _LeveledLines(logging.INFO)
+    log = logging.getLogger("specdecode")
+    old = log.level
+    log.addHandler(h)
+    log.setLevel(logging.INFO)
+    try:
+        yield h.lines
+    finally:
+        log.removeHandler(h)
+        log.setLevel(old)
+
+
+def _put(cache: Path, name: str) -> pc.Entry:
+    """Write an entry for the (existing) source file ``name`` beside the cache dir; returns it mapped."""
+    src = cache.parent / name
+    src.touch()
+    key = {"format": "fp32", "source": [[str(src), 0, 0]]}
+    return pc.write_entry(pc.cache_root() / f"{name}.fp32.0000.spk", key, {},
+                          {"w": torch.full((_ENTRY_FLOATS,), float(len(name)))})
+
+
+def _budget(monkeypatch, entries: float) -> None:
+    size = 4096 + 4 * _ENTRY_FLOATS
+    monkeypatch.setenv("SPECDECODE_PACKED_CACHE_MAX_GB", repr(entries * size / 2**30))
+
+
+def _names(cache: Path) -> list[str]:
+    return [p.name.split(".")[0] for p in _entries(cache)]
+
+
+def test_budget_from_environment(monkeypatch, warnings_seen):
+    monkeypatch.delenv("SPECDECODE_PACKED_CACHE_MAX_GB", raising=False)
+    assert pc.max_bytes() == 20 * 2**30
+    monkeypatch.setenv("SPECDECODE_PACKED_CACHE_MAX_GB", "1.5")
+    assert pc.max_bytes() == 3 * 2**29
+    monkeypatch.setenv("SPECDECODE_PACKED_CACHE_MAX_GB", "0")
+    assert pc.max_bytes() is None
+    monkeypatch.setenv("SPECDECODE_PACKED_CACHE_MAX_GB", "lots")
+    assert pc.max_bytes() == 20 * 2**30 and len(warnings_seen) == 1 and "lots" in warnings_seen[0]
+
+
+def test_eviction_drops_the_least_recently_used(cache, monkeypatch, log_seen):
+    _budget(monkeypatch, 2.5)
+    _put(cache, "a")
+    _put(cache, "b")
+    assert not log_seen  # two entries fit: no eviction pass
+    assert pc.open_entry(pc.cache_root() / "a.fp32.0000.spk",
+                         {"format": "fp32", "source": [[str(cache.parent / "a"), 0, 0]]}) is not None
+    _put(cache, "c")  # a was used after b was written, so b is the least recently used
+    assert _names(cache) == ["a", "c"]
+    assert [lvl for lvl, _ in log_seen] == ["INFO"]
+    assert "evicted 1 least recently used entries" in log_seen[0][1] and "\n" not in log_seen[0][1]
+    # With no bound nothing goes.
+    monkeypatch.setenv("SPECDECODE_PACKED_CACHE_MAX_GB", "0")
+    for n in "bde":
+        _put(cache, n)
+    assert _names(cache) == ["a", "b", "c", "d", "e"]
+
+
+def test_eviction_spares_entries_mapped_in_this_process(cache, monkeypatch):
+    _budget(monkeypatch, 2.5)
+    held = _put(cache, "a")  # the least recently used, but its tensors are still mapped
+    _put(cache, "bb")
+    _put(cache, "ccc")
+    assert _names(cache) == ["a", "ccc"]
+    assert torch.equal(held.tensors["w"], torch.full((_ENTRY_FLOATS,), 1.0))
+    del held  # nothing maps a any more: the next pass may take it
+    _put(cache, "dddd")
+    assert _names(cache) == ["ccc", "dddd"]
+
+
+def test_budget_below_one_entry_keeps_the_new_one(cache, monkeypatch, warnings_seen):
+    _budget(monkeypatch, 0.5)
+    monkeypatch.setattr(pc, "_warned_small_budget", False)
+    # Another live writer's temporary (our own pid is alive) must outlast any pass.
+    pc.cache_root().mkdir(parents=True)
+    tmp = pc.cache_root() / f"z.fp32.0000.spk.tmp-{os.getpid()}-0000"
+    tmp.write_bytes(bytes(1 << 20))
+    _put(cache, "a")
+    assert _names(cache) == ["a"]
+    _put(cache, "b")
+    _put(cache, "c")
+    assert _names(cache) == ["c"] and tmp.is_file()
+    assert len(warnings_seen) == 1 and "alone exceeds the cache budget" in warnings_seen[0]

@@ -14,6 +14,10 @@ complete entry or none. A truncated or corrupt entry is reported in one line, de
 The key covers the source's identity (path, size and mtime of each file), the weight format and dtype,
 ``LAYOUT_VERSION`` (bump it whenever packing changes what bytes a format holds) and ``KERNEL_LAYOUT`` (what the
 C++ kernel expects), plus the byte order and machine.
+
+The directory is bounded in size (``max_bytes``, ``$SPECDECODE_PACKED_CACHE_MAX_GB``): after an entry is
+written, the least recently used entries are deleted until the total fits. Use is recorded in each entry's
+mtime, set whenever the entry is opened, and entries this process has mapped are never deleted.
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ import os
 import platform
 import struct
 import sys
+import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -43,6 +49,11 @@ _DATA_ALIGN = 4096
 _SUFFIX = ".spk"
 _READ_CHUNK = 64 << 20
 _ENV = "SPECDECODE_PACKED_CACHE"
+_MAX_ENV = "SPECDECODE_PACKED_CACHE_MAX_GB"
+# A fixed budget rather than a share of the free space, so that what gets evicted does not depend on what else
+# happens to fill the disk. 20 GiB holds the default pair (about 1.6 GB packed) next to two float32 conversions of
+# a 1.5B-class model (about 7 GB each), while stopping the directory from growing without end on a laptop disk.
+_DEFAULT_MAX_GB = 20.0
 _MASK = (1 << 64) - 1
 
 
@@ -61,6 +72,19 @@ class Entry:
 def enabled() -> bool:
     """False when ``$SPECDECODE_PACKED_CACHE`` is 0 / false / no / off."""
     return os.environ.get(_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def max_bytes() -> int | None:
+    """The packed cache's size budget in bytes: ``$SPECDECODE_PACKED_CACHE_MAX_GB`` GiB (2**30 bytes; fractions
+    allowed), 20 by default. 0 (or less) means no bound, as ccache's ``max_size = 0`` does: turning the cache off
+    is ``SPECDECODE_PACKED_CACHE=0``'s job. An unparsable value is reported and the default used."""
+    raw = os.environ.get(_MAX_ENV, "").strip()
+    try:
+        gb = float(raw) if raw else _DEFAULT_MAX_GB
+    except ValueError:
+        logger.warning("%s=%r is not a number of GiB; using %g.", _MAX_ENV, raw, _DEFAULT_MAX_GB)
+        gb = _DEFAULT_MAX_GB
+    return int(gb * 2**30) if 0 < gb < float("inf") else None
 
 
 def cache_root() -> Path:
@@ -171,6 +195,7 @@ def write_entry(final: Path, key: dict, meta: dict, tensors: dict[str, torch.Ten
         raise
     entry.path = final
     _remove_superseded(final, key)
+    _evict_lru(final)
     return entry
 
 
@@ -200,6 +225,68 @@ def _remove_superseded(final: Path, key: dict) -> None:
             continue
         if not all(os.path.exists(s) for s in other_src) or (other_src == src and other.get("format") == key["format"]):
             _unlink(p)
+
+
+# --------------------------------------------------------------------------------------------------- eviction
+class _Mapping(mmap.mmap):
+    """A mapping that remembers which file (st_dev, st_ino) it maps. The inode, not the path, because an entry
+    is mapped under its temporary name and then renamed."""
+    file_id: tuple[int, int]
+
+
+# The mappings alive in this process. Tensor views hold their mapping, so a mapping leaves this set once no
+# model or Entry uses it any more; a plain set of paths ever opened would protect every entry written here.
+_live_maps: weakref.WeakSet[_Mapping] = weakref.WeakSet()
+_warned_small_budget = False
+
+
+def _mark_used(path: Path) -> None:
+    """Record a use in the entry's mtime (atime is unreliable under noatime / relatime mounts). time.time_ns,
+    not the filesystem's coarser clock, so that uses moments apart are still ordered."""
+    now = time.time_ns()
+    try:
+        os.utime(path, ns=(now, now))
+    except OSError:  # e.g. a read-only shared cache: the entry is still usable, eviction just sees it as older
+        pass
+
+
+def _evict_lru(keep: Path) -> None:
+    """Delete the least recently used entries until the directory fits in ``max_bytes()``; ``keep`` (just
+    written) and entries mapped in this process stay. Entries another process has mapped may go: unlinking a
+    mapped file on Linux leaves the mapping valid, and that process converts again on its next start. Only
+    ``*.spk`` names are candidates: a live writer's temporary (``*.spk.tmp-<pid>-...``) never is, and is not
+    counted either, as its writer runs this pass itself after renaming it."""
+    global _warned_small_budget
+    budget = max_bytes()
+    if budget is None:
+        return
+    entries: list[tuple[int, str, Path, os.stat_result]] = []
+    for p in keep.parent.glob(f"*{_SUFFIX}"):
+        try:
+            st = p.stat()
+        except OSError:  # removed meanwhile by another process
+            continue
+        entries.append((st.st_mtime_ns, p.name, p, st))
+    total = sum(e[3].st_size for e in entries)
+    if total <= budget:
+        return
+    mapped = {m.file_id for m in list(_live_maps)}
+    freed, count = 0, 0
+    for _, _, p, st in sorted(entries):  # oldest use first
+        if total <= budget:
+            break
+        if p == keep or (st.st_dev, st.st_ino) in mapped:
+            continue
+        if _unlink(p):
+            total, freed, count = total - st.st_size, freed + st.st_size, count + 1
+    keep_size = next((e[3].st_size for e in entries if e[2] == keep), 0)
+    if keep_size > budget and not _warned_small_budget:
+        _warned_small_budget = True
+        logger.warning("The packed-weight cache entry %s (%.2f GiB) alone exceeds the cache budget of %.2f GiB "
+                       "(%s); keeping it and evicting the other entries not in use.", keep, keep_size / 2**30,
+                       budget / 2**30, _MAX_ENV)
+    logger.info("Packed-weight cache: evicted %d least recently used entries, freeing %.2f GiB; %.2f GiB of the "
+                "%.2f GiB budget in use.", count, freed / 2**30, total / 2**30, budget / 2**30)
 
 
 # ---------------------------------------------------------------------------------------------------- reading
@@ -239,7 +326,11 @@ def read_entry(path: Path, key: dict) -> Entry:
         raise CorruptEntry(f"its header lacks {e}") from None
     tensors: dict[str, torch.Tensor] = {}
     with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+        mm = _Mapping(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+        if mm is not None:
+            st = os.fstat(f.fileno())
+            mm.file_id = (st.st_dev, st.st_ino)
+            _live_maps.add(mm)
         eager = [r for r in records if not r["lazy"] and r["nbytes"]]
         if eager and hasattr(mm, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
             lo = data_start + min(r["offset"] for r in eager)
@@ -265,6 +356,7 @@ def read_entry(path: Path, key: dict) -> Entry:
                 raise CorruptEntry(f"tensor {r['name']} fails its checksum")
             t = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=off).view(dtype)
             tensors[r["name"]] = t.view(r["shape"])
+    _mark_used(path)
     return Entry(path, header.get("meta", {}), tensors, size)
 
 
@@ -284,13 +376,13 @@ def open_entry(path: Path, key: dict) -> Entry | None:
     return None
 
 
-def _unlink(path: Path) -> None:
+def _unlink(path: Path) -> bool:
+    """Delete ``path``; True if this call removed it."""
     try:
         path.unlink()
-    except FileNotFoundError:
-        pass
-    except OSError:
-        pass
+        return True
+    except OSError:  # already gone (FileNotFoundError) or not ours to delete
+        return False
 
 
 def describe(entry: Entry) -> dict[str, Any]:
