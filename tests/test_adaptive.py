@@ -420,6 +420,33 @@ def test_one_off_catch_up_work_keeps_short_requests_plain():
     assert policy.plan([request(400, 2, draft_computed=401)], [7], [0], [4])[0][1] > 0
 
 
+def test_draft_catch_up_waits_until_a_request_outlives_the_short_answers():
+    """Where some answers are short, a request does not start the draft model's prefill before it has
+    outlived them (the mean length would say every answer runs long); where all run long, it starts at once."""
+    from types import SimpleNamespace
+
+    def request(output: int):
+        return SimpleNamespace(all_token_ids=[1] * (400 + output), num_output_tokens=output, draft_computed=0,
+                               acceptance=Acceptance(decay=1.0, first_ok=8, first_n=10, next_ok=8, next_n=10),
+                               lookup_acceptance=Acceptance())
+
+    def finished(policy: AdaptiveK, lengths: list[int]) -> None:
+        for n in lengths:
+            policy.finished(SimpleNamespace(num_output_tokens=n))
+
+    long_only = AdaptiveK(enabled=True, costs=_cpu_like())
+    finished(long_only, [400] * 20)
+    assert long_only.plan([request(0)], [500], [0], [4])[0][1] > 0
+    mixed = AdaptiveK(enabled=True, costs=_cpu_like())
+    finished(mixed, [400, 400, 12, 400, 20, 400, 400, 16, 400, 400] * 2)  # the mean is 285 tokens
+    assert mixed.assured_left(request(0), 500) <= 20 < mixed.assured_left(request(21), 500)
+    assert mixed.plan([request(0)], [500], [0], [4]) == [(False, 0)]
+    assert mixed.plan([request(21)], [500], [0], [4])[0][1] > 0
+    # The budget caps what is left: 8 tokens to go cannot pay for the prefill however long answers run.
+    assert long_only.assured_left(request(0), 7) == 8
+    assert long_only.plan([request(0)], [7], [0], [4]) == [(False, 0)]
+
+
 def test_no_draft_catch_up_while_the_batch_is_about_to_grow_back():
     """A draft model that has not seen a request's prompt must catch up before it drafts, a one-off that
     pays back over many steps. A lone request does not start that while the batch was recently large enough

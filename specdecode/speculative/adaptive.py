@@ -27,8 +27,9 @@ the plan is the set of per-request choices with the most expected tokens per sec
 batch makes the target pass compute-bound (a few requests on a CPU), every extra row costs about what a plain
 token does, and the plan falls back to plain decoding without any hand-set batch-size limit. The draft
 model's first pass for a request feeds every token it has not seen (its prompt, the first time): that
-one-off cost is spread over the tokens the request is expected to have left (its budget, and the lengths of
-finished requests), so a short answer never pays for a draft prefill it cannot earn back.
+one-off cost is spread over the tokens the request is all but sure to have left (its budget, and the lengths
+of finished requests that ran as long as it has), so a short answer never pays for a draft prefill it cannot
+earn back: where some answers are short, the draft model starts once a request has outlived them.
 """
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ PROBE_EVERY = 8        # steps at k = 0 before the first probe
 MAX_PROBE_EVERY = 64
 _LEN_PRIOR, _LEN_PRIOR_WEIGHT = 128.0, 2.0  # output tokens a request is taken to run before any has finished
 _MIN_LEFT = 16.0
+_LEN_WINDOW = 128      # finished requests whose lengths are kept (older ones weigh < 0.1 by then)
+_ASSURED = 0.9         # a one-off draft catch-up must pay back within what this share of requests runs on
 _PEAK_DECAY = 0.98     # per step: how fast the remembered batch size falls back after the batch shrinks
 
 
@@ -577,7 +580,7 @@ class AdaptiveK:
     def __init__(self, enabled: bool = False, costs: CostModel | None = None):
         self.enabled = enabled
         self.costs = costs if costs is not None else CostModel()
-        self._len_sum = self._len_n = 0.0  # decayed output lengths of finished requests
+        self._lengths: list[int] = []  # output lengths of the last finished requests, oldest first
         self._peak = 0.0  # recent batch sizes, decayed: what a batch that shrank for a moment grows back to
         self.expected_batch = 0  # requests the engine holds now (Proposer.expect_batch)
 
@@ -665,7 +668,8 @@ class AdaptiveK:
                  rates: tuple[float, float] | None = None, spread: bool = True) -> list[StepOption]:
         """r's options of one kind, k = 1..cap, with their expected tokens (from ``rates``, by default r's own
         acceptance of that kind) and, for the draft model, the one-off catch-up it owes this step: spread over
-        the request's expected remaining tokens, or (``spread`` off) charged to this step in full."""
+        the tokens the request is all but sure to have left (``assured_left``), or (``spread`` off) charged to
+        this step in full."""
         if cap <= 0:
             return []
         p1, q = rates if rates is not None else (
@@ -676,13 +680,14 @@ class AdaptiveK:
             lag = len(r.all_token_ids) - done if done else len(r.all_token_ids)
         # The draft model's first pass feeds what it has not seen yet: one token after a step it drafted in,
         # the whole context the first time (its prefill) or after sitting out. That extra work buys drafts for
-        # the rest of the request, so it is spread over the steps the request is expected to have left.
+        # the rest of the request, so it is spread over the tokens the request is all but sure to have left.
         extra = max(0.0, sc.draft(lag) - sc.draft(1)) if lag > 1 else 0.0
-        left = max(1.0, min(budget + 1, self.expected_left(r)))
+        if extra and spread:
+            extra /= self.assured_left(r, budget)
         out = []
         for k in range(1, cap + 1):
             e = expected_tokens(p1, q, k)
-            out.append(StepOption(lookup, k, e, extra * (e / left if spread else 1.0)))
+            out.append(StepOption(lookup, k, e, extra * (e if spread else 1.0)))
         return out
 
     def _probe(self, r, i: int, batch: "_Batch", budget: int, sc: _StepCosts, lk: int, dk: int
@@ -708,15 +713,28 @@ class AdaptiveK:
                 return lookup, 1
         return False, 0
 
-    def expected_left(self, r) -> float:
-        """Tokens r is expected to emit from here: what finished requests emitted on average, less what r has,
-        but at least _MIN_LEFT (a request that outlives the average is not about to end)."""
+    def assured_left(self, r, budget: int) -> float:
+        """Tokens r goes on to emit with probability _ASSURED, judging by the finished requests that ran at
+        least as long as r has so far (and capped by r's budget): what a draft catch-up is spread over. A
+        quantile, not the mean: answers come short or long, and the mean of such a mix says that a short
+        answer is about to run long, so its catch-up would never be paid back. This way the draft model starts
+        at once where answers run long, and where some are short, only after r has outlived them. A request
+        that outlives every one seen is taken to have _MIN_LEFT to go."""
         done = getattr(r, "num_output_tokens", 0)
-        return max(_MIN_LEFT, self.mean_output_tokens - done)
-
-    @property
-    def mean_output_tokens(self) -> float:
-        return (self._len_sum + _LEN_PRIOR * _LEN_PRIOR_WEIGHT) / (self._len_n + _LEN_PRIOR_WEIGHT)
+        n = len(self._lengths)
+        # Decayed weights: the newest finished request weighs 1, each one before it _PRIOR_DECAY times less,
+        # and the guess made before any had finished fades the same way.
+        seen = [(length, _PRIOR_DECAY ** (n - 1 - i)) for i, length in enumerate(self._lengths)]
+        seen.append((_LEN_PRIOR, _LEN_PRIOR_WEIGHT * _PRIOR_DECAY ** n))
+        rest = sorted((min(length - done, budget + 1), w) for length, w in seen if length > done)
+        if not rest:
+            return max(1.0, min(budget + 1, _MIN_LEFT))
+        below, total = 0.0, sum(w for _, w in rest)
+        for left, w in rest:
+            below += w
+            if below >= (1.0 - _ASSURED) * total:
+                return max(1.0, left)
+        return max(1.0, rest[-1][0])
 
     def finished(self, r) -> None:
         """r is done: its length teaches how long requests run (for spreading one-off draft work). Once per
@@ -724,8 +742,7 @@ class AdaptiveK:
         if getattr(r, "spec_finished", False):
             return
         r.spec_finished = True
-        self._len_sum = _PRIOR_DECAY * self._len_sum + getattr(r, "num_output_tokens", 0)
-        self._len_n = _PRIOR_DECAY * self._len_n + 1
+        self._lengths = self._lengths[-(_LEN_WINDOW - 1):] + [getattr(r, "num_output_tokens", 0)]
         r.spec_plan = None
 
     def lookup_depth(self, r, cap: int) -> int:
