@@ -60,6 +60,29 @@ def sharegpt_truncated(tmp_path) -> Path:
     return path
 
 
+def test_per_length_groups_by_the_baselines_output_and_prices_end_to_end():
+    """Short answers are grouped by the baseline's output length, and judged with the draft prefill counted:
+    a config whose decode is faster but whose draft prefill costs more than it saves loses there."""
+    from specdecode.bench.report import format_report, summarize
+    from specdecode.bench.runner import BenchConfig, PromptRun
+    from specdecode.speculative.metrics import SpecDecodeStats
+
+    def run(pid: str, cfg: str, n: int, decode: float, draft_prefill: float = 0.0) -> PromptRun:
+        return PromptRun(pid, "writing", cfg, 20, list(range(n)), 0.1, decode, 0.1 + draft_prefill + decode,
+                         "stop", SpecDecodeStats(), 1.0, draft_prefill_s=draft_prefill)
+
+    runs = [run("short", "baseline", 20, 2.0), run("short", "draft k=4", 20, 1.5, 1.1),
+            run("long", "baseline", 120, 12.0), run("long", "draft k=4", 120, 7.4, 1.1)]
+    configs = [BenchConfig("baseline", None, 0), BenchConfig("draft k=4", "draft", 4)]
+    r = summarize(runs, configs, ["writing"], {"greedy": True})
+    assert list(r["per_length"]) == ["8-32", "97+"]
+    short, long = r["per_length"]["8-32"], r["per_length"]["97+"]
+    assert short["draft k=4"]["speedup"] > 1 > short["draft k=4"]["speedup_with_prefill"] == pytest.approx(2.0 / 2.6)
+    assert long["draft k=4"]["speedup_with_prefill"] == pytest.approx(12.0 / 8.5)
+    assert short["baseline"]["speedup_with_prefill"] == pytest.approx(1.0)
+    assert "Per output length" in format_report(r)
+
+
 # ---- datasets ----
 def test_spec_bench_per_category(spec_bench_file):
     ds = load_dataset(str(spec_bench_file), num_prompts=2)
@@ -131,6 +154,8 @@ def test_bench_spec_bench_json_and_plots(tiny_models, tiny_draft, spec_bench_fil
                 assert key in m, (name, key)
             assert m["greedy_mismatches"] == 0 and m["first_diff_position"] is None  # greedy output is exact
             assert m["decode_tokens_per_s"] > 0 and m["ttft_mean_s"] > 0 and m["peak_rss_mb"] > 0
+    assert r["per_length"] and all(list(g) == names for g in r["per_length"].values())
+    assert sum(g["baseline"]["num_prompts"] for g in r["per_length"].values()) == 4
     assert r["overall"]["baseline"]["speedup"] == pytest.approx(1.0)
     assert r["overall"]["baseline"]["acceptance_rate"] is None
     for name in names[1:]:

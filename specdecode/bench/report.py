@@ -8,6 +8,10 @@ Definitions (vLLM's):
   mean accept. length  1 + accepted / drafts (tokens emitted per target verification pass)
   per-position rate    drafts whose i-th token was accepted / drafts
   TTFT                 request added -> first token (the target's prefill)
+  with draft prefill   per output length: the baseline's time after the first token / a config's, its draft
+                       prefill included (the one-off work that short answers may not pay back); the target's
+                       prefill is the same work in every config and is left out, as its timing noise would
+                       swamp short answers
   draft prefill        the draft model's pass over the prompt; timed on its own and excluded from decode
                        time (it belongs to the prefill phase, as in vLLM); end-to-end latency includes it
 """
@@ -22,6 +26,33 @@ if TYPE_CHECKING:
     from specdecode.bench.runner import BenchConfig, PromptRun
 
 OVERALL = "overall"
+# Output lengths (the baseline's tokens for a prompt) the per-length table groups by: a short answer pays for
+# speculation's one-off work (a draft prefill, probes) over few tokens, so it is where speculation can lose.
+LENGTH_BUCKETS: tuple[tuple[int, int | None], ...] = ((1, 7), (8, 32), (33, 96), (97, None))
+
+
+def _bucket_label(lo: int, hi: int | None) -> str:
+    return f"{lo}-{hi}" if hi is not None else f"{lo}+"
+
+
+def _per_length(runs: list["PromptRun"], group) -> dict[str, dict]:
+    """Runs grouped by their prompt's baseline output length (LENGTH_BUCKETS), each group as ``group`` makes
+    it, plus each config's speedup over the baseline with its draft prefill counted (``speedup_with_prefill``)
+    on that group's prompts."""
+    length = {r.prompt_id: r.num_output_tokens for r in runs if r.config == "baseline"}
+    out = {}
+    for lo, hi in LENGTH_BUCKETS:
+        ids = {p for p, n in length.items() if n >= lo and (hi is None or n <= hi)}
+        if not ids:
+            continue
+        rs = [r for r in runs if r.prompt_id in ids]
+        g = group(rs)
+        after = {name: sum(r.decode_time_s + r.draft_prefill_s for r in rs if r.config == name) for name in g}
+        for name, m in g.items():
+            base, own = after.get("baseline"), after[name]
+            m["speedup_with_prefill"] = base / own if base and own else None
+        out[_bucket_label(lo, hi)] = g
+    return out
 
 
 def _aggregate(runs: list["PromptRun"], cfg: "BenchConfig", model_mb: float | None,
@@ -93,6 +124,7 @@ def summarize(runs: list["PromptRun"], configs: list["BenchConfig"], categories:
         "categories": used_cats,
         "overall": group(runs),
         "per_category": {cat: group([r for r in runs if r.category == cat]) for cat in used_cats},
+        "per_length": _per_length(runs, group),
         "runs": [r.as_dict() for r in runs],
     }
 
@@ -152,6 +184,16 @@ def format_report(result: dict) -> str:
     for m in result["overall"].values():
         rows.append(_row(OVERALL, m, greedy))
     parts.append("Overall\n" + _table(_HEADERS, rows, right=set(range(2, 11))))
+    lengths = result.get("per_length") or {}
+    if lengths:
+        rows = [[label, m["config"], str(m["num_prompts"]), _fmt(m["decode_tokens_per_s"]),
+                 _fmt(m["speedup"]) + ("x" if m["speedup"] is not None else ""),
+                 _fmt(m["draft_prefill_mean_s"], ".3f"),
+                 _fmt(m["speedup_with_prefill"]) + ("x" if m["speedup_with_prefill"] is not None else "")]
+                for label, g in lengths.items() for m in g.values()]
+        parts.append("Per output length (the baseline's tokens per prompt)\n"
+                     + _table(["output tokens", "config", "n", "decode tok/s", "speedup", "draft prefill s",
+                               "with draft prefill"], rows, right=set(range(2, 7))))
     spec_cfgs = [m for m in result["overall"].values() if m["per_position_acceptance"]]
     if spec_cfgs:
         kmax = max(len(m["per_position_acceptance"]) for m in spec_cfgs)
