@@ -110,6 +110,30 @@ def test_cache_hits_and_chunks_give_bitwise_the_same_logprobs(fam, tiny_models, 
     assert pool.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("spec", [{"method": "none"}, {"method": "ngram", "num_speculative_tokens": 3},
+                                  {"method": "draft_model", "model": "DRAFT", "num_speculative_tokens": 4}])
+@pytest.mark.parametrize("quantization", ["none", "w8a8", "w4a8"])
+def test_a_next_turn_reuses_the_answers_blocks_bitwise(spec, quantization, tiny_models, tiny_draft, one_thread):
+    """A chat's next turn re-sends the previous answer: the blocks decode steps (and verifications) wrote for
+    it come from the cache, and every logprob of the next turn is bitwise what a cold engine gives."""
+    if spec.get("model") == "DRAFT":
+        spec = dict(spec, model=str(tiny_draft))
+    first = _prompts(3, shared=0, n=1, tail=20)[0]
+    ref_llm = _llm(tiny_models["llama"], enable_prefix_caching=False, speculative_config={"method": "none"},
+                   quantization=quantization)
+    answer = _run(ref_llm, [first], max_tokens=40)[0][0]
+    turn2 = first + answer + [7, 8, 9, 10, 11]
+    ref = _run(ref_llm, [turn2], logprobs=3)[0]
+    llm = _llm(tiny_models["llama"], speculative_config=spec, quantization=quantization)
+    assert _run(llm, [first], max_tokens=40)[0][0] == answer
+    pool = llm.llm_engine.pool
+    hits = pool.hits
+    assert _run(llm, [turn2], logprobs=3)[0] == ref
+    assert pool.hits - hits >= 16 * ((len(first) + len(answer) - 1) // 16), "the answer's full blocks were reused"
+    pool.check_consistency()
+    assert pool.num_used_blocks == 0
+
+
 @pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 3},
                                   {"method": "draft_model", "model": "DRAFT", "num_speculative_tokens": 4}])
 def test_greedy_identical_with_and_without_caching_chunking_and_speculation_batched(spec, tiny_models, tiny_draft,

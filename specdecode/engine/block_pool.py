@@ -163,8 +163,8 @@ class BlockPool:
         self.hits += hit
 
     def register(self, slot: int, token_ids: list[int], num_tokens: int, draft_tokens: int) -> None:
-        """Register the slot's full blocks of positions [0, num_tokens), computed by prefill from ``token_ids``;
-        the draft's cache holds positions [0, draft_tokens)."""
+        """Register the slot's full blocks of positions [0, num_tokens), computed (by prefill or decode steps)
+        from ``token_ids``; the draft's cache holds positions [0, draft_tokens)."""
         if not self.enable_prefix_caching:
             return
         parent = 0

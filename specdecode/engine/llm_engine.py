@@ -308,9 +308,11 @@ class LLMEngine:
         return True
 
     def _release(self, r: Request, preempt: bool = False) -> None:
-        """Give back the request's slot; the blocks its prompt prefill computed stay in the prefix cache."""
+        """Give back the request's slot. Its full blocks stay in the prefix cache, the generated tokens' as well
+        as the prompt's: a chat's next turn re-sends this answer, and a preempted request is prefilled again.
+        Row invariance makes a decode step's keys and values the bits a prefill of the same tokens writes."""
         if r.slot is not None:
-            done = min(r.num_computed, r.prefill_end)
+            done = min(r.num_computed, len(r.all_token_ids))  # rejected drafts' KV past the length is not content
             self.pool.register(r.slot, r.all_token_ids, done, min(r.draft_computed, done))
         if preempt:
             self.scheduler.preempt(r)
