@@ -319,6 +319,15 @@ def test_w4a8_select_rows_and_layout_round_trip():
     assert torch.equal(again.weight, p.weight) and torch.equal(again.scale, p.scale)
     rows = torch.tensor([69, 0, 17, 16, 33])
     sub = p.select_rows(rows)
+    # Rows are cut byte for byte: the same layout as unpacking them and packing again.
+    for cut in (rows, torch.arange(70).flip(0), torch.tensor([3])):
+        ref = kernels._w4_pack(*kernels._w4_unpack_rows(p, cut), 100)
+        got = p.select_rows(cut)
+        assert torch.equal(got.weight, ref.weight) and torch.equal(got.scale, ref.scale), cut
+        assert got.out_features == ref.out_features == len(cut)
+    plain = kernels._w4_pack(q, sc, None, 100)  # the format without offsets
+    assert plain.scale.ndim == 2 and torch.equal(plain.select_rows(rows).scale,
+                                                 kernels._w4_pack(*kernels._w4_unpack_rows(plain, rows), 100).scale)
     assert torch.equal(kernels.dequantize(sub), kernels.dequantize(p)[rows])
     x = _x(6, 100, 6)
     assert torch.equal(kernels.rowinv_linear(x, sub), kernels.rowinv_linear(x, p)[:, rows])

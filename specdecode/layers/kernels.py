@@ -146,7 +146,7 @@ class PackedLinear:
     def select_rows(self, rows: torch.Tensor) -> "PackedLinear":
         """The same format restricted to output channels ``rows`` (copied)."""
         if self.fmt == "w4a8":
-            return _w4_pack(*_w4_unpack_rows(self, rows), self.in_features)
+            return _w4_select_rows(self, rows)
         scale = self.scale[rows].contiguous() if self.scale is not None else None
         if self.fmt == "w8a8":
             return PackedLinear(self.fmt, _interleave(_w8a8_rows(self, 0, self.out_features)[rows]), scale,
@@ -318,6 +318,29 @@ def _w4_pack(q: torch.Tensor, sc: torch.Tensor, off: torch.Tensor | None, K: int
 
     scale = by_group(sc) if off is None or not bool(off.any()) else torch.stack([by_group(sc), by_group(off)])
     return PackedLinear("w4a8", weight, scale, K, N)
+
+
+def _w4_select_rows(packed: PackedLinear, rows: torch.Tensor) -> PackedLinear:
+    """``packed`` restricted to channels ``rows``: the same bytes as ``_w4_pack(*_w4_unpack_rows(...))``, moved
+    whole (a channel's byte holds two of its own nibbles), so a 150k-row draft head is cut without unpacking."""
+    rows = rows.to(packed.weight.device)
+    n, G = len(rows), packed.weight.shape[0]
+    Kp = packed.weight.shape[1] * 2 // W8A8_GROUP
+    nb, G2 = Kp // ACT_BLOCK, -(-len(rows) // W8A8_GROUP)
+    g, lane = rows // W8A8_GROUP, rows % W8A8_GROUP
+    picked = torch.full((G2 * W8A8_GROUP, nb, 4, 4), 0x88, dtype=torch.uint8, device=rows.device)  # q = 0 padding
+    picked[:n] = packed.weight.view(G, nb, 4, W8A8_GROUP, 4)[g, :, :, lane, :]
+    weight = picked.view(G2, W8A8_GROUP, nb, 4, 4).permute(0, 2, 3, 1, 4).contiguous().view(G2, -1)
+
+    def by_group(t: torch.Tensor) -> torch.Tensor:  # [G, nb * 16] -> the rows' [G2, nb * 16], channels innermost
+        out = torch.zeros(G2 * W8A8_GROUP, nb, dtype=t.dtype, device=t.device)
+        out[:n] = t.view(G, nb, W8A8_GROUP)[g, :, lane]
+        return out.view(G2, W8A8_GROUP, nb).permute(0, 2, 1).contiguous().view(G2, nb * W8A8_GROUP)
+
+    tables = packed.scale if packed.scale.ndim == 3 else packed.scale[None]
+    parts = [by_group(t) for t in tables]
+    scale = parts[0] if len(parts) == 1 or not bool(parts[1].any()) else torch.stack(parts)
+    return PackedLinear("w4a8", weight, scale, packed.in_features, n)
 
 
 def _w4_unpack(packed: PackedLinear, n0: int = 0, n1: int | None = None
