@@ -312,7 +312,7 @@ class LLMEngine:
         as the prompt's: a chat's next turn re-sends this answer, and a preempted request is prefilled again.
         Row invariance makes a decode step's keys and values the bits a prefill of the same tokens writes."""
         if r.slot is not None:
-            done = min(r.num_computed, len(r.all_token_ids))  # rejected drafts' KV past the length is not content
+            done = min(r.num_computed, len(r.all_token_ids))  # accepted drafts a stop cut off are not content
             self.pool.register(r.slot, r.all_token_ids, done, min(r.draft_computed, done))
         if preempt:
             self.scheduler.preempt(r)

@@ -304,15 +304,21 @@ def _w4_pack(q: torch.Tensor, sc: torch.Tensor, off: torch.Tensor | None, K: int
     holds q+8 of k0+i (low nibble) and of k0+4+i (high nibble). Padding channels are 0 with scale 0. Offsets that
     are all 0 are left out (the format without them, whose kernel skips their epilogue)."""
     N, Kp = q.shape
-    G, nb = -(-N // W8A8_GROUP), Kp // ACT_BLOCK
-    u = torch.full((G * W8A8_GROUP, Kp), 8, dtype=torch.uint8, device=q.device)
-    u[:N] = (q.to(torch.int16) + 8).to(torch.uint8)
-    u = u.view(G, W8A8_GROUP, nb, 4, 2, 4)                   # [g, lane, block, quarter, nibble, byte]
-    byte = u[:, :, :, :, 0] | (u[:, :, :, :, 1] << 4)        # [g, lane, block, quarter, byte]
-    weight = byte.permute(0, 2, 3, 1, 4).contiguous().view(G, Kp * W8A8_GROUP // 2)
+    u = (q.to(torch.int16) + 8).to(torch.uint8).view(N, Kp // ACT_BLOCK, 4, 2, 4)  # [n, block, quarter, nibble, byte]
+    return _w4_layout(u[:, :, :, 0] | (u[:, :, :, 1] << 4), sc, off, K)
+
+
+def _w4_layout(byte: torch.Tensor, sc: torch.Tensor, off: torch.Tensor | None, K: int) -> PackedLinear:
+    """Each channel's bytes ``[N, block, quarter, byte]`` (two of its nibbles per byte), scales and offsets ->
+    the kernel's layout (see ``_w4_pack``): channels padded to groups of 16 and interleaved per quarter."""
+    N, nb = byte.shape[:2]
+    G = -(-N // W8A8_GROUP)
+    padded = torch.full((G * W8A8_GROUP, nb, 4, 4), 0x88, dtype=torch.uint8, device=byte.device)  # q = 0
+    padded[:N] = byte
+    weight = padded.view(G, W8A8_GROUP, nb, 4, 4).permute(0, 2, 3, 1, 4).contiguous().view(G, nb * 256)
 
     def by_group(t: torch.Tensor) -> torch.Tensor:  # [N, nb] -> [G, nb * 16], channels innermost
-        out = torch.zeros(G * W8A8_GROUP, nb, dtype=torch.float16, device=q.device)
+        out = torch.zeros(G * W8A8_GROUP, nb, dtype=torch.float16, device=byte.device)
         out[:N] = t
         return out.view(G, W8A8_GROUP, nb).permute(0, 2, 1).contiguous().view(G, nb * W8A8_GROUP)
 
@@ -320,27 +326,24 @@ def _w4_pack(q: torch.Tensor, sc: torch.Tensor, off: torch.Tensor | None, K: int
     return PackedLinear("w4a8", weight, scale, K, N)
 
 
-def _w4_select_rows(packed: PackedLinear, rows: torch.Tensor) -> PackedLinear:
-    """``packed`` restricted to channels ``rows``: the same bytes as ``_w4_pack(*_w4_unpack_rows(...))``, moved
-    whole (a channel's byte holds two of its own nibbles), so a 150k-row draft head is cut without unpacking."""
+def _w4_rows(packed: PackedLinear, rows: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The bytes ``[n, block, quarter, byte]``, scales and offsets (or None) of just the channels ``rows`` (in
+    that order), touching only their bytes: a draft head picks rows out of a 150k-row weight at run time."""
     rows = rows.to(packed.weight.device)
-    n, G = len(rows), packed.weight.shape[0]
-    Kp = packed.weight.shape[1] * 2 // W8A8_GROUP
-    nb, G2 = Kp // ACT_BLOCK, -(-len(rows) // W8A8_GROUP)
+    G = packed.weight.shape[0]
+    nb = packed.weight.shape[1] * 2 // W8A8_GROUP // ACT_BLOCK
     g, lane = rows // W8A8_GROUP, rows % W8A8_GROUP
-    picked = torch.full((G2 * W8A8_GROUP, nb, 4, 4), 0x88, dtype=torch.uint8, device=rows.device)  # q = 0 padding
-    picked[:n] = packed.weight.view(G, nb, 4, W8A8_GROUP, 4)[g, :, :, lane, :]
-    weight = picked.view(G2, W8A8_GROUP, nb, 4, 4).permute(0, 2, 3, 1, 4).contiguous().view(G2, -1)
-
-    def by_group(t: torch.Tensor) -> torch.Tensor:  # [G, nb * 16] -> the rows' [G2, nb * 16], channels innermost
-        out = torch.zeros(G2 * W8A8_GROUP, nb, dtype=t.dtype, device=t.device)
-        out[:n] = t.view(G, nb, W8A8_GROUP)[g, :, lane]
-        return out.view(G2, W8A8_GROUP, nb).permute(0, 2, 1).contiguous().view(G2, nb * W8A8_GROUP)
-
+    byte = packed.weight.view(G, nb, 4, W8A8_GROUP, 4)[g, :, :, lane, :]
     tables = packed.scale if packed.scale.ndim == 3 else packed.scale[None]
-    parts = [by_group(t) for t in tables]
-    scale = parts[0] if len(parts) == 1 or not bool(parts[1].any()) else torch.stack(parts)
-    return PackedLinear("w4a8", weight, scale, packed.in_features, n)
+    s, *o = (t.view(G, nb, W8A8_GROUP)[g, :, lane] for t in tables)
+    return byte, s, (o[0] if o else None)
+
+
+def _w4_select_rows(packed: PackedLinear, rows: torch.Tensor) -> PackedLinear:
+    """``packed`` restricted to channels ``rows``: their bytes are moved whole (a byte holds two nibbles of one
+    channel), so a 150k-row draft head is cut without unpacking it."""
+    return _w4_layout(*_w4_rows(packed, rows), packed.in_features)
 
 
 def _w4_unpack(packed: PackedLinear, n0: int = 0, n1: int | None = None
@@ -353,19 +356,10 @@ def _w4_unpack(packed: PackedLinear, n0: int = 0, n1: int | None = None
 
 def _w4_unpack_rows(packed: PackedLinear, rows: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Logical ``q``, scales and offsets of just the channels ``rows`` (in that order), touching only their bytes: a
-    draft head picks rows out of a 150k-row weight at run time, so unpacking all of it is not an option."""
-    rows = rows.to(packed.weight.device)
-    Kp = packed.weight.shape[1] * 2 // W8A8_GROUP
-    nb = Kp // ACT_BLOCK
-    G = packed.weight.shape[0]
-    g, lane = rows // W8A8_GROUP, rows % W8A8_GROUP
-    byte = packed.weight.view(G, nb, 4, W8A8_GROUP, 4)[g, :, :, lane, :]  # [n, block, quarter, byte]
-    u = torch.stack([byte & 0x0F, byte >> 4], dim=3)                       # [n, block, quarter, nibble, byte]
-    q = u.reshape(len(rows), Kp).to(torch.int8) - 8
-    tables = packed.scale if packed.scale.ndim == 3 else packed.scale[None]
-    s, *o = (t.view(G, nb, W8A8_GROUP)[g, :, lane] for t in tables)
-    return q, s, (o[0] if o else None)
+    """Logical ``q``, scales and offsets of just the channels ``rows`` (in that order)."""
+    byte, s, off = _w4_rows(packed, rows)
+    u = torch.stack([byte & 0x0F, byte >> 4], dim=3)  # [n, block, quarter, nibble, byte]
+    return u.reshape(len(byte), -1).to(torch.int8) - 8, s, off
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
