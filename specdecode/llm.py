@@ -33,7 +33,10 @@ class LLM:
         return self.engine
 
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        """transformers' tokenizer of the target, as vLLM returns it."""
+        from specdecode.tokenizer import hf_tokenizer
+
+        return hf_tokenizer(self.engine.tokenizer)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix (vLLM's method); False while requests are running."""

@@ -1,8 +1,10 @@
 """Tokenizer loading, chat templates and incremental detokenization."""
 from __future__ import annotations
 
+import json
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 
 def load_tokenizer(path: Path, is_gguf: bool):
@@ -16,6 +18,141 @@ def load_tokenizer(path: Path, is_gguf: bool):
     except Exception as e:  # transformers raises many types for missing or broken files
         raise ValueError(f"Could not load a tokenizer from {path}: {e}. The directory needs tokenizer.json "
                          "(or the slow tokenizer's files) next to config.json.") from None
+
+
+class SavedTokenizer:
+    """A tokenizer read straight from a saved tokenizer.json by the ``tokenizers`` library, with chat templates
+    rendered by :mod:`specdecode.chat_template`: what serving needs, without importing transformers (about a
+    second of every start-up).
+
+    It stands in for transformers' ``TokenizersBackend`` where the saved config holds nothing beyond the
+    special tokens and the length (the tokenizers specdecode saves for GGUF files), so encode, decode and the
+    templates give the same results. Anything else (``tokenizer(text)``, ``save_pretrained``, xgrammar)
+    goes to the transformers tokenizer, built from the same folder on first use: :attr:`hf`.
+    """
+
+    SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+    _KNOWN_KEYS = frozenset(SPECIAL) | {"backend", "model_max_length", "is_local", "local_files_only",
+                                        "tokenizer_class", "added_tokens_decoder", "clean_up_tokenization_spaces"}
+
+    def __init__(self, backend, config: dict[str, Any], chat_template: str | None, folder: Path,
+                 name_or_path: str):
+        self._backend = backend
+        self._folder = folder
+        self._hf = None
+        self._hf_lock = threading.Lock()
+        self.name_or_path = name_or_path
+        self.chat_template = chat_template
+        self.model_max_length: int = config.get("model_max_length", int(1e30))
+        self.special_tokens_map: dict[str, str] = {k: config[k] for k in self.SPECIAL if config.get(k) is not None}
+        for k in self.SPECIAL:
+            setattr(self, k, config.get(k))
+
+    @classmethod
+    def usable(cls, config: dict[str, Any]) -> bool:
+        """True when transformers would add nothing to the tokenizer.json for this config."""
+        return (set(config) <= cls._KNOWN_KEYS
+                and config.get("tokenizer_class", "TokenizersBackend") in ("TokenizersBackend", "PreTrainedTokenizerFast")
+                and config.get("backend", "tokenizers") == "tokenizers"
+                and not config.get("clean_up_tokenization_spaces", False)
+                and all(isinstance(config.get(k), (str, type(None))) for k in cls.SPECIAL))
+
+    @classmethod
+    def from_folder(cls, folder: Path, name_or_path: str, backend=None) -> "SavedTokenizer | None":
+        """The folder's tokenizer, or None when its config needs transformers. ``backend``: the folder's
+        tokenizer.json already parsed (``tokenizers.Tokenizer.from_file``)."""
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        if not cls.usable(config):
+            return None
+        if backend is None:
+            from tokenizers import Tokenizer
+            backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        template = folder / "chat_template.jinja"
+        return cls(backend, config, template.read_text() if template.is_file() else config.get("chat_template"),
+                   folder, name_or_path)
+
+    # -- what the engine, the server and the proposers use
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: int | Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self._backend.decode([ids] if isinstance(ids, int) else list(ids),
+                                    skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: int | list[int], skip_special_tokens: bool = False):
+        if isinstance(ids, int):
+            return self._backend.id_to_token(ids)
+        skip = set(self.all_special_ids) if skip_special_tokens else ()
+        return [self._backend.id_to_token(int(i)) for i in ids if int(i) not in skip]
+
+    def convert_tokens_to_ids(self, tokens: str | list[str]):
+        if isinstance(tokens, str):
+            return self._backend.token_to_id(tokens)
+        return [self._backend.token_to_id(t) for t in tokens]
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._backend.get_vocab(with_added_tokens=True)
+
+    def __len__(self) -> int:
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._backend.get_vocab_size(with_added_tokens=False)
+
+    @property
+    def added_tokens_decoder(self) -> dict:
+        return self._backend.get_added_tokens_decoder()
+
+    @property
+    def all_special_tokens(self) -> list[str]:
+        return list(dict.fromkeys(self.special_tokens_map.values()))
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return [self._backend.token_to_id(t) for t in self.all_special_tokens]
+
+    def __getattr__(self, name: str):
+        if name.endswith("_token_id") and name[:-3] in SavedTokenizer.SPECIAL:
+            token = self.__dict__.get(name[:-3])
+            return None if token is None else self._backend.token_to_id(token)
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.hf, name)
+
+    def apply_chat_template(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                            add_generation_prompt: bool = False, tokenize: bool = True, **kwargs: Any):
+        """transformers' call: ``tokenize=False`` renders here; other outputs and options go to :attr:`hf`."""
+        hf_only = {"documents", "chat_template", "continue_final_message", "return_dict", "return_tensors",
+                   "return_assistant_tokens_mask", "sanitize_control_tokens", "padding", "truncation",
+                   "max_length", "tokenizer_kwargs"}
+        if tokenize or hf_only & set(kwargs) or not isinstance(self.chat_template, str):
+            return self.hf.apply_chat_template(conversation, tools=tools, add_generation_prompt=add_generation_prompt,
+                                               tokenize=tokenize, **kwargs)
+        from specdecode.chat_template import render
+
+        return render(self.chat_template, conversation, tools=tools, add_generation_prompt=add_generation_prompt,
+                      special_tokens=self.special_tokens_map, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any):
+        return self.hf(*args, **kwargs)
+
+    @property
+    def hf(self):
+        """transformers' tokenizer for the same files (built on first use, then kept)."""
+        with self._hf_lock:
+            if self._hf is None:
+                from specdecode.models.gguf_loader import load_saved_hf_tokenizer
+
+                tok = load_saved_hf_tokenizer(self._folder)
+                tok.name_or_path = self.name_or_path
+                self._hf = tok
+            return self._hf
+
+
+def hf_tokenizer(tokenizer):
+    """transformers' object for a tokenizer: :attr:`SavedTokenizer.hf`, or the tokenizer itself."""
+    return tokenizer.hf if isinstance(tokenizer, SavedTokenizer) else tokenizer
 
 
 def _tokenizer_files(path: Path, is_gguf: bool) -> list[Path] | None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 from specdecode.config import EngineConfig, SpeculativeConfig, check_draft_compatible
@@ -44,9 +46,12 @@ class LLMEngine:
         torch.manual_seed(c.seed)
         t0 = time.perf_counter()
         target_path = resolve_model(c.model, "target")
-        target = load_model(target_path, c.dtype, c.device, c.max_model_len, c.quantization)
+        # The tokenizer's parse (in Rust, without the GIL) overlaps the weights' mapping.
+        with ThreadPoolExecutor(1, thread_name_prefix="specdecode-tokenizer") as pool:
+            tokenizer = pool.submit(load_tokenizer, target_path, target_path.is_file())
+            target = load_model(target_path, c.dtype, c.device, c.max_model_len, c.quantization)
+            self.tokenizer = tokenizer.result()
         self.max_model_len = target.max_model_len
-        self.tokenizer = load_tokenizer(target_path, target.is_gguf)
         self.eos_token_ids = eos_ids(self.tokenizer, target.hf_config)
         self.model_path = target_path
         self.proposer: Proposer | None = None

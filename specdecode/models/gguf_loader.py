@@ -481,9 +481,10 @@ def read_gguf(path: str | os.PathLike) -> GGUFModel:
     return GGUFModel(str(p), config, meta, hf_refs, mm)
 
 
-def load_gguf_tokenizer(path: str | os.PathLike, cache: bool | None = None) -> PreTrainedTokenizerFast:
-    """A transformers fast tokenizer built from the GGUF's metadata (no hub access), with its chat template,
-    BOS, EOS and padding tokens set from that metadata.
+def load_gguf_tokenizer(path: str | os.PathLike, cache: bool | None = None):
+    """A tokenizer built from the GGUF's metadata (no hub access), with its chat template, BOS, EOS and padding
+    tokens set from that metadata: transformers' fast tokenizer when it is first built, and a
+    :class:`~specdecode.tokenizer.SavedTokenizer` of the same files when it is loaded from the cache.
 
     Building it converts the whole vocabulary, which takes seconds; the result is saved (tokenizer.json and its
     config) beside the packed-weight cache, keyed by the file's path, size and mtime, and later calls load that.
@@ -496,8 +497,6 @@ def load_gguf_tokenizer(path: str | os.PathLike, cache: bool | None = None) -> P
     import json
     import logging
     import shutil
-
-    from transformers import PreTrainedTokenizerFast
 
     ident, folder = _tokenizer_folder(p)
     done = folder / "identity.json"
@@ -570,18 +569,24 @@ def _saved_digest(folder: Path) -> str:
 
 # Tokenizers loaded in this process, by the digest of their saved files: a target and a draft of one family
 # carry the same tokenizer, and the second one costs a copy instead of another parse.
-_LOADED_TOKENIZERS: dict[str, PreTrainedTokenizerFast] = {}
+_LOADED_TOKENIZERS: dict[str, Any] = {}
 
 
-def _tokenizer_for(digest: str, folder: Path, source: Path) -> PreTrainedTokenizerFast:
+def _tokenizer_for(digest: str, folder: Path, source: Path):
+    """The saved tokenizer as a :class:`~specdecode.tokenizer.SavedTokenizer` where its config allows (no
+    transformers import), else transformers' tokenizer."""
     import copy
+
+    from specdecode.tokenizer import SavedTokenizer
 
     first = _LOADED_TOKENIZERS.get(digest)
     if first is None:
-        tok = _LOADED_TOKENIZERS[digest] = _load_saved_tokenizer(folder)
-        first = tok
-    # Each caller gets its own object (its own special-token maps and settings); the Rust vocabulary, which
-    # nothing mutates, is shared.
+        first = SavedTokenizer.from_folder(folder, str(source)) or load_saved_hf_tokenizer(folder)
+        _LOADED_TOKENIZERS[digest] = first
+    if isinstance(first, SavedTokenizer):
+        # The Rust vocabulary, which nothing mutates, is shared.
+        return SavedTokenizer.from_folder(folder, str(source), backend=first._backend)
+    # Each caller gets its own object (its own special-token maps and settings); the Rust vocabulary is shared.
     tok = copy.copy(first)
     tok.__dict__.update({k: copy.copy(v) for k, v in first.__dict__.items() if isinstance(v, (dict, list, set))})
     tok.name_or_path = str(source)
@@ -593,9 +598,9 @@ _NOT_INIT_KWARGS = {"added_tokens_decoder", "tokenizer_class", "backend", "is_lo
                     "name_or_path", "auto_map"}
 
 
-def _load_saved_tokenizer(folder: Path) -> PreTrainedTokenizerFast:
-    """What ``save_pretrained`` wrote, with tokenizer.json parsed once (by the tokenizers library): from_pretrained
-    also parses it in Python, and passing a tokenizer_object deep-copies it."""
+def load_saved_hf_tokenizer(folder: Path) -> PreTrainedTokenizerFast:
+    """What ``save_pretrained`` wrote, as transformers' tokenizer, with tokenizer.json parsed once (by the
+    tokenizers library): from_pretrained also parses it in Python, and passing a tokenizer_object deep-copies it."""
     import json
 
     from transformers import PreTrainedTokenizerFast

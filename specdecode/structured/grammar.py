@@ -33,7 +33,9 @@ def _tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: Sequence[int]):
     with _INFO_LOCK:
         info = _INFO_CACHE.get(key)
         if info is None:
-            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+            from specdecode.tokenizer import hf_tokenizer
+
+            info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer(tokenizer), vocab_size=vocab_size,
                                                       stop_token_ids=sorted(stop_token_ids))
             _INFO_CACHE[key] = info
             while len(_INFO_CACHE) > 4:
