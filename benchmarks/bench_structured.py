@@ -1,13 +1,18 @@
 """JSON-constrained decoding with and without speculation, in one process, on Spec-Bench extraction prompts.
 
-    python benchmarks/bench_structured.py [--prompts 4] [--max-tokens 128] [--rounds 2] [--threads N]
+    python benchmarks/bench_structured.py [--prompts 4] [--max-tokens 128] [--rounds 2] [--threads N] [--compact]
 
 Each prompt asks for a JSON object of one fixed, nested schema (a summary, extracted name/value items, a
 confidence enum) and is decoded under that schema by the default engine, interleaved per round:
+- ``one token per pass``: speculation off and no jump-forward either: every output token costs one target
+  pass, as in an engine without speculation (the bench switches the forced drafts off; the engine has no such
+  option, since they are free);
 - ``constrained plain``: speculation off (``set_speculative(None)``). Tokens the grammar forces are still
   drafted and verified (jump-forward), as they are whenever a grammar is active;
 - ``constrained default``: the default speculative policy.
-Reports each config's best round in tokens/s (generated tokens over wall time, prefill included), the ratio,
+Reports each config's best round in decode tokens/s (tokens after the first over the time from the first token
+to the last, summed over the prompts: prefill excluded, as serve_compare's decode tok/s) and in tokens/s over
+wall time (prefill included, which the three configs share), the ratios,
 whether both greedy outputs are the same token for token and (where they ended before max_tokens) parse as
 JSON, and the grammar's own time per output token (the matcher's calls in the engine step, timed around
 them) against the time of a plain decode step (first token to last, per token after the first).
@@ -65,6 +70,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--compact", action="store_true",
+                    help="compact JSON (disable_any_whitespace): the grammar forces every structural token")
     args = ap.parse_args()
     rows = [json.loads(line) for line in open(args.dataset)]
     questions = [r["turns"][0] for r in rows if r.get("category") == "extraction"][:args.prompts]
@@ -74,9 +81,15 @@ def main() -> None:
     default = engine.config.speculative
     prompts = [apply_chat_template(tok, [{"role": "user", "content": q + ASK}], True) for q in questions]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0,
-                            structured_outputs=StructuredOutputsParams(json=SCHEMA))
-    configs = {"constrained plain": None, "constrained default": default}
+                            structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=args.compact))
+    configs = {"one token per pass": None, "constrained plain": None, "constrained default": default}
+    import specdecode.engine.llm_engine as engine_module
+    jump_forward = engine_module.constrain_proposal
+
+    def no_jump_forward(reqs, prop, budgets, proposer=None):
+        return prop if proposer is None else jump_forward(reqs, prop, budgets, proposer)
     rates: dict[str, list[float]] = {k: [] for k in configs}
+    decode: dict[str, list[float]] = {k: [] for k in configs}
     grammar: dict[str, list[float]] = {k: [] for k in configs}
     step: dict[str, list[float]] = {k: [] for k in configs}  # decode seconds per token after the first
     outputs: dict[str, list[list[int]]] = {}
@@ -85,6 +98,7 @@ def main() -> None:
         for name, spec in configs.items():
             engine.set_speculative(spec)
             engine.reset_prefix_cache()
+            engine_module.constrain_proposal = no_jump_forward if name == "one token per pass" else jump_forward
             clock.seconds = 0.0
             t0 = time.perf_counter()
             outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
@@ -96,18 +110,24 @@ def main() -> None:
             grammar[name].append(clock.seconds / n)
             step[name].append(sum(o.metrics.finished_time - o.metrics.first_token_time for o in outs)
                               / max(1, n - len(outs)))
-            print(f"{name:>20}: {n / dt:6.2f} tok/s, grammar {1000 * clock.seconds / n:.2f} ms per token",
-                  flush=True)
+            decode[name].append(1.0 / step[name][-1])
+            print(f"{name:>20}: decode {decode[name][-1]:6.2f} tok/s, with prefill {n / dt:6.2f} tok/s, "
+                  f"grammar {1000 * clock.seconds / n:.2f} ms per token", flush=True)
+    for k, v in {k: max(v) for k, v in decode.items()}.items():
+        print(f"{k:>20}: best decode {v:6.2f} tok/s  {v / max(decode['constrained plain']):.2f}x constrained plain, "
+              f"{v / max(decode['one token per pass']):.2f}x one token per pass")
     best = {k: max(v) for k, v in rates.items()}
+    engine_module.constrain_proposal = jump_forward
     for k, v in best.items():
-        print(f"{k:>20}: best {v:6.2f} tok/s  {v / best['constrained plain']:.2f}x constrained plain")
+        print(f"{k:>20}: best with prefill {v:6.2f} tok/s  {v / best['constrained plain']:.2f}x constrained plain, "
+              f"{v / best['one token per pass']:.2f}x one token per pass")
     g, t = min(grammar["constrained plain"]), min(step["constrained plain"])
     print(f"grammar time per token (plain): {1000 * g:.2f} ms, {100 * g / t:.1f}% of a plain decode step "
           f"({1000 * t:.1f} ms)")
-    same = outputs["constrained plain"] == outputs["constrained default"]
+    same = outputs["constrained plain"] == outputs["constrained default"] == outputs["one token per pass"]
     done = [t for t, s in zip(outputs["constrained default"], stopped) if s]
-    valid = all(isinstance(json.loads(tok.decode(t)), dict) for t in done)
-    print(f"identical with and without speculation: {same}; of the {len(done)} outputs that ended before "
+    valid = all(isinstance(json.loads(tok.decode(t, skip_special_tokens=True)), dict) for t in done)
+    print(f"identical in all three configs: {same}; of the {len(done)} outputs that ended before "
           f"max_tokens, all parse as a JSON object: {valid}")
 
 

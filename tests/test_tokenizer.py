@@ -156,3 +156,16 @@ def test_a_config_with_more_than_tokens_falls_back_to_transformers():
                    {"backend": "sentencepiece"}):
         assert not SavedTokenizer.usable(config), config
     assert hf_tokenizer("x") == "x"
+
+
+def test_bench_serve_counts_a_chat_prompt_in_tokens(pair):
+    """Without a usage block, `bench serve` counts a chat prompt as the rendered template's tokens
+    (transformers 5's tokenize=True returns a dict, whose length is its number of keys)."""
+    from specdecode.bench.serve import _count_prompt
+
+    tok, hf = pair
+    messages = CONVERSATIONS[1]
+    want = len(hf.encode(hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                         add_special_tokens=False))
+    assert want > 20
+    assert _count_prompt(tok, messages) == _count_prompt(hf, messages) == want

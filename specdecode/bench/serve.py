@@ -396,8 +396,9 @@ def _count_prompt(tokenizer, prompt: str | list[dict]) -> int:
     if isinstance(prompt, str):
         return len(tokenizer.encode(prompt, add_special_tokens=False))
     if getattr(tokenizer, "chat_template", None):
-        with contextlib.suppress(Exception):
-            return len(tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True))
+        with contextlib.suppress(Exception):  # rendered, then encoded as the server does (no added specials)
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            return len(tokenizer.encode(text, add_special_tokens=False))
     return sum(len(tokenizer.encode(m["content"], add_special_tokens=False)) for m in prompt)
 
 
