@@ -76,7 +76,7 @@ class SavedTokenizer:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: int | Iterable[int], skip_special_tokens: bool = False) -> str:
-        return self._backend.decode([ids] if isinstance(ids, int) else list(ids),
+        return self._backend.decode([int(ids)] if isinstance(ids, int) else [int(i) for i in ids],
                                     skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: int | list[int], skip_special_tokens: bool = False):

@@ -66,6 +66,9 @@ def test_encode_decode_and_vocabulary_match_transformers(pair):
             assert tok.convert_ids_to_tokens(ids, skip_special_tokens=True) == \
                 hf.convert_ids_to_tokens(ids, skip_special_tokens=True)
     assert tok.decode(special_ids[0]) == hf.decode(special_ids[0])
+    import torch
+    ids = torch.tensor([9707, 11, 1879, 0])  # tensors and numpy integers decode as transformers' do
+    assert tok.decode(ids) == hf.decode(ids) == tok.decode(ids.numpy()) == tok.decode([int(i) for i in ids])
     assert tok.get_vocab() == hf.get_vocab() and len(tok) == len(hf) and tok.vocab_size == hf.vocab_size
     assert tok.added_tokens_decoder.keys() == hf.added_tokens_decoder.keys()
     assert tok.special_tokens_map == hf.special_tokens_map
