@@ -34,6 +34,10 @@ class SavedTokenizer:
     SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
     _KNOWN_KEYS = frozenset(SPECIAL) | {"backend", "model_max_length", "is_local", "local_files_only",
                                         "tokenizer_class", "added_tokens_decoder", "clean_up_tokenization_spaces"}
+    # apply_chat_template options only transformers implements
+    _HF_ONLY = frozenset({"documents", "chat_template", "continue_final_message", "return_dict", "return_tensors",
+                          "return_assistant_tokens_mask", "sanitize_control_tokens", "padding", "truncation",
+                          "max_length", "tokenizer_kwargs"})
 
     def __init__(self, backend, config: dict[str, Any], chat_template: str | None, folder: Path,
                  name_or_path: str):
@@ -67,9 +71,8 @@ class SavedTokenizer:
         if backend is None:
             from tokenizers import Tokenizer
             backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        template = folder / "chat_template.jinja"
-        return cls(backend, config, template.read_text() if template.is_file() else config.get("chat_template"),
-                   folder, name_or_path)
+        template = folder / "chat_template.jinja"  # a config key "chat_template" fails usable()
+        return cls(backend, config, template.read_text() if template.is_file() else None, folder, name_or_path)
 
     # -- what the engine, the server and the proposers use
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -123,10 +126,7 @@ class SavedTokenizer:
     def apply_chat_template(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                             add_generation_prompt: bool = False, tokenize: bool = True, **kwargs: Any):
         """transformers' call: ``tokenize=False`` renders here; other outputs and options go to :attr:`hf`."""
-        hf_only = {"documents", "chat_template", "continue_final_message", "return_dict", "return_tensors",
-                   "return_assistant_tokens_mask", "sanitize_control_tokens", "padding", "truncation",
-                   "max_length", "tokenizer_kwargs"}
-        if tokenize or hf_only & set(kwargs) or not isinstance(self.chat_template, str):
+        if tokenize or self._HF_ONLY.intersection(kwargs) or not isinstance(self.chat_template, str):
             return self.hf.apply_chat_template(conversation, tools=tools, add_generation_prompt=add_generation_prompt,
                                                tokenize=tokenize, **kwargs)
         from specdecode.chat_template import render
