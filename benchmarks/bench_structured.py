@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from specdecode import LLM, SamplingParams
+from specdecode.speculative.metrics import SpecDecodeStats
 from specdecode.structured import StructuredOutputsParams
 from specdecode.tokenizer import apply_chat_template
 
@@ -111,8 +112,13 @@ def main() -> None:
             step[name].append(sum(o.metrics.finished_time - o.metrics.first_token_time for o in outs)
                               / max(1, n - len(outs)))
             decode[name].append(1.0 / step[name][-1])
+            spec = SpecDecodeStats()
+            for o in outs:
+                spec.merge(o.metrics.spec_decode)
             print(f"{name:>20}: decode {decode[name][-1]:6.2f} tok/s, with prefill {n / dt:6.2f} tok/s, "
-                  f"grammar {1000 * clock.seconds / n:.2f} ms per token", flush=True)
+                  f"grammar {1000 * clock.seconds / n:.2f} ms per token; {spec.num_drafts} drafts, "
+                  f"{spec.num_draft_tokens} drafted, {spec.num_accepted_tokens} accepted, "
+                  f"mean acceptance length {spec.mean_acceptance_length:.2f}", flush=True)
     for k, v in {k: max(v) for k, v in decode.items()}.items():
         print(f"{k:>20}: best decode {v:6.2f} tok/s  {v / max(decode['constrained plain']):.2f}x constrained plain, "
               f"{v / max(decode['one token per pass']):.2f}x one token per pass")

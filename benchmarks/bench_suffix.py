@@ -3,6 +3,8 @@
 Workloads (``--workload``):
   agentic     an agent's repeated calls: N requests that each rewrite a similar function (same tasks, the
               variable names changed between the two rounds); categories "round1" and "round2".
+  tools       an agent's planning calls: N requests that each turn a maintenance task into a JSON list of
+              tool calls (the same tools and task kinds, other files and names in round 2); "round1", "round2".
   specbench   Spec-Bench (``--dataset``), ``--per-category`` prompts of each category.
   short       short answers: Spec-Bench prompts capped at ``--max-tokens`` (e.g. 8-32), per answer length.
 
@@ -109,6 +111,46 @@ def agentic_dataset(requests: int) -> Dataset:
     return Dataset("agentic-rewrite", "generated", prompts)
 
 
+TOOLS_SYSTEM = (
+    "You are a coding agent working in a Python repository. Answer with only a JSON list of the tool calls "
+    "that carry out the task, in order, and nothing else. Each call is an object with \"tool\" and \"args\". "
+    "Tools: read_file(path), search(pattern, path), edit_file(path, old, new), run_tests(path), "
+    "git_commit(message).")
+TOOL_TASKS = [
+    "Rename the function `{f}` to `{g}` in `{mod}` and update every call to it in `{test}`.",
+    "Add a docstring to the function `{f}` in `{mod}` that explains its `{arg}` argument, then run its tests.",
+    "The test `test_{f}` in `{test}` fails because `{f}` in `{mod}` ignores `{arg}`. Find and fix the bug.",
+    "Make `{f}` in `{mod}` raise ValueError when `{arg}` is empty, add a test for it to `{test}` and commit.",
+    "Replace the print calls in `{f}` in `{mod}` with logging, run the tests in `{test}` and commit.",
+]
+# (function, new name, module, argument); round 1 takes the first half, round 2 the second, so no request of
+# round 2 repeats one of round 1.
+TOOL_NAMES = [("parse_config", "load_config", "config", "path"), ("merge_rows", "combine_rows", "table", "rows"),
+              ("send_email", "deliver_email", "mailer", "recipients"), ("resize_image", "scale_image", "images",
+              "size"), ("fetch_user", "get_user", "accounts", "user_id"), ("split_words", "tokenize", "text",
+              "sentence"), ("save_report", "write_report", "reports", "report"), ("check_token", "verify_token",
+              "auth", "token"), ("compute_tax", "calculate_tax", "billing", "amount"), ("list_jobs", "get_jobs",
+              "scheduler", "queue"), ("read_csv", "load_csv", "loader", "filename"), ("hash_password",
+              "digest_password", "security", "password"), ("render_page", "draw_page", "views", "template"),
+              ("parse_date", "to_date", "dates", "value"), ("retry_call", "with_retries", "network", "attempts"),
+              ("sort_orders", "order_by_date", "orders", "orders"), ("cache_result", "memoize", "caching", "key"),
+              ("build_query", "make_query", "database", "filters"), ("send_alert", "notify", "alerts", "level"),
+              ("clean_text", "normalize_text", "preprocess", "text")]
+
+
+def tools_dataset(requests: int) -> Dataset:
+    """Round 1: ``requests`` maintenance tasks for the tool-calling agent; round 2: the same task kinds on
+    other functions and modules."""
+    prompts, half = [], len(TOOL_NAMES) // 2
+    for rnd in (1, 2):
+        for i in range(requests):
+            f, g, mod, arg = TOOL_NAMES[half * (rnd - 1) + i % half]
+            task = TOOL_TASKS[i % len(TOOL_TASKS)].format(f=f, g=g, mod=f"src/{mod}.py", test=f"tests/test_{mod}.py",
+                                                          arg=arg)
+            prompts.append(BenchPrompt(f"r{rnd}-{i}", f"round{rnd}", f"{TOOLS_SYSTEM}\n\nTask: {task}"))
+    return Dataset("agentic-tools", "generated", prompts)
+
+
 def per_length(result: dict, edges: list[int]) -> list[dict]:
     """Speedup of each config over baseline per group of answer lengths (the baseline's output tokens)."""
     runs = result["runs"]
@@ -136,13 +178,14 @@ def per_length(result: dict, edges: list[int]) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", choices=("agentic", "specbench", "short"), default="agentic")
+    ap.add_argument("--workload", choices=("agentic", "tools", "specbench", "short"), default="agentic")
     ap.add_argument("--configs", default="best,suffix,suffix-draft")
     ap.add_argument("--requests", type=int, default=20, help="agentic: requests per round")
     ap.add_argument("--per-category", type=int, default=2, help="specbench / short: prompts per category")
     ap.add_argument("--dataset", default=str(SPEC_BENCH))
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--quantization", default="mixed", help="the target's weights (the default preset's: mixed)")
     ap.add_argument("-o", "--output-json", default=None)
     a = ap.parse_args()
 
@@ -151,13 +194,13 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown config(s) {unknown}; choose from {sorted(CONFIGS)}")
     configs = [BenchConfig("baseline", None)] + [CONFIGS[n] for n in names]
-    if a.workload == "agentic":
-        ds = agentic_dataset(a.requests)
+    if a.workload in ("agentic", "tools"):
+        ds = agentic_dataset(a.requests) if a.workload == "agentic" else tools_dataset(a.requests)
     else:
         ds = load_dataset(a.dataset, a.per_category)
     drafting = any(c.method in ("hybrid", "suffix-draft") for c in configs)
     s = BenchSettings(methods=["hybrid"] if drafting else ["suffix"], ks=[4], max_tokens=a.max_tokens,
-                      quantization="w8a8", draft_quantization="w4a8", adaptive=True, num_threads=a.threads,
+                      quantization=a.quantization, draft_quantization="w4a8", adaptive=True, num_threads=a.threads,
                       progress=sys.stderr.isatty(), warmup=True)
     runner = SuffixBenchRunner(s, configs, {CONFIGS[n].name: OVERRIDES[n] for n in names if n in OVERRIDES})
     result = runner.run(ds)
@@ -180,7 +223,7 @@ def main() -> None:
         print("\nvs best: " + json.dumps({g: {k: round(v, 3) for k, v in d.items()} for g, d in vs_best.items()}))
     mism = {c.name: result["overall"][c.name]["greedy_mismatches"] for c in configs}
     print("greedy mismatches vs baseline:", mism)
-    lengths = per_length(result, [1, 8, 17, 25, 33, 65, 129, 10**6]) if a.workload != "agentic" else []
+    lengths = per_length(result, [1, 8, 17, 25, 33, 65, 129, 10**6]) if a.workload not in ("agentic", "tools") else []
     for row in lengths:
         print(row["lengths"], row["prompts"], {k: (round(v["speedup"], 3), round(v["e2e_speedup"], 3))
                                                for k, v in row.items() if isinstance(v, dict) and "speedup" in v})
