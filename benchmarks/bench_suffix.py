@@ -151,6 +151,10 @@ def tools_dataset(requests: int) -> Dataset:
     return Dataset("agentic-tools", "generated", prompts)
 
 
+# Workloads this script generates (the others are read from --dataset): name -> dataset of N requests a round.
+GENERATED = {"agentic": agentic_dataset, "tools": tools_dataset}
+
+
 def per_length(result: dict, edges: list[int]) -> list[dict]:
     """Speedup of each config over baseline per group of answer lengths (the baseline's output tokens)."""
     runs = result["runs"]
@@ -178,9 +182,9 @@ def per_length(result: dict, edges: list[int]) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", choices=("agentic", "tools", "specbench", "short"), default="agentic")
+    ap.add_argument("--workload", choices=(*GENERATED, "specbench", "short"), default="agentic")
     ap.add_argument("--configs", default="best,suffix,suffix-draft")
-    ap.add_argument("--requests", type=int, default=20, help="agentic: requests per round")
+    ap.add_argument("--requests", type=int, default=20, help="agentic / tools: requests per round")
     ap.add_argument("--per-category", type=int, default=2, help="specbench / short: prompts per category")
     ap.add_argument("--dataset", default=str(SPEC_BENCH))
     ap.add_argument("--max-tokens", type=int, default=160)
@@ -194,8 +198,8 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown config(s) {unknown}; choose from {sorted(CONFIGS)}")
     configs = [BenchConfig("baseline", None)] + [CONFIGS[n] for n in names]
-    if a.workload in ("agentic", "tools"):
-        ds = agentic_dataset(a.requests) if a.workload == "agentic" else tools_dataset(a.requests)
+    if a.workload in GENERATED:
+        ds = GENERATED[a.workload](a.requests)
     else:
         ds = load_dataset(a.dataset, a.per_category)
     drafting = any(c.method in ("hybrid", "suffix-draft") for c in configs)
@@ -223,7 +227,7 @@ def main() -> None:
         print("\nvs best: " + json.dumps({g: {k: round(v, 3) for k, v in d.items()} for g, d in vs_best.items()}))
     mism = {c.name: result["overall"][c.name]["greedy_mismatches"] for c in configs}
     print("greedy mismatches vs baseline:", mism)
-    lengths = per_length(result, [1, 8, 17, 25, 33, 65, 129, 10**6]) if a.workload not in ("agentic", "tools") else []
+    lengths = per_length(result, [1, 8, 17, 25, 33, 65, 129, 10**6]) if a.workload not in GENERATED else []
     for row in lengths:
         print(row["lengths"], row["prompts"], {k: (round(v["speedup"], 3), round(v["e2e_speedup"], 3))
                                                for k, v in row.items() if isinstance(v, dict) and "speedup" in v})
