@@ -182,6 +182,34 @@ def test_a_busy_engine_refuses_to_calibrate(one_thread, llm_cache, tiny_models):
             eng.step()
 
 
+def test_reset_speculative_state_forgets_what_was_learned(one_thread, llm_cache, tiny_models, tiny_draft):
+    """A benchmark's warm-up must not teach the policy (a 16-token warm-up reads as a short answer, which keeps
+    the draft model off at the start of the next requests): after reset_speculative_state() the proposer starts
+    afresh from the calibrated costs, and greedy output is unchanged."""
+    from specdecode.sampling_params import SamplingParams
+
+    llm = llm_cache.get(tiny_models["llama"], speculative_model=str(tiny_draft), num_speculative_tokens=3,
+                        speculative_adaptive=True, speculative_ngram_first=True)
+    eng = llm.engine
+    first = gen_ids(llm, PROMPTS[:1], max_tokens=6, **GREEDY)
+    old = eng.proposer
+    assert old.policy._lengths[-1] == 6
+    eng.reset_speculative_state()
+    new = eng.proposer
+    assert new is not old and new.policy._lengths == [] and eng.config.speculative.method == "draft_model"
+    assert new.costs.prior.first_n == new.costs.lookup_prior.first_n == 0
+    assert new.costs.verify_cost(2) == old.costs.verify_cost(2)  # the timed pass costs are kept
+    assert gen_ids(llm, PROMPTS[:1], max_tokens=6, **GREEDY) == first
+    eng.add_request("busy", [5, 6, 7], SamplingParams(max_tokens=4))
+    try:
+        with pytest.raises(RuntimeError, match="idle engine"):
+            eng.reset_speculative_state()
+    finally:
+        eng.abort_request("busy")
+        while eng.has_unfinished_requests():
+            eng.step()
+
+
 def test_a_rate_nobody_observes_drifts_back_instead_of_freezing():
     c = CostModel()
     for _ in range(30):

@@ -9,7 +9,8 @@ fair speedup needs.
 
 Interleaving: for each prompt, every config runs once before the next prompt starts, and the order of configs
 rotates from prompt to prompt, so slow drifts of the machine (thermal, other load) hit all configs alike.
-Before measuring, each config makes one warm-up generation that is not counted.
+Before measuring, each config makes one warm-up generation that is not counted, and that its proposer then
+forgets (``LLMEngine.reset_speculative_state``).
 
 Timing: TTFT runs from adding the request to its first token (the target's prefill). Decode time runs from
 the first token to the last, minus the draft model's own pass over the prompt, which this engine does lazily
@@ -412,6 +413,7 @@ class BenchRunner:
             _, short = min(prepared, key=lambda x: len(x[1]))
             for cfg in self.configs:
                 self.generate(cfg, short, self._params(0, min(s.max_tokens, 16)))
+            self.engine.reset_speculative_state()  # a 16-token warm-up is not an answer length to learn from
         runs: list[PromptRun] = []
         n_cfg = len(self.configs)
         with tqdm(total=len(prepared), desc="bench", unit="prompt", file=sys.stderr, disable=not s.progress,

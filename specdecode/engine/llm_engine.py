@@ -126,6 +126,16 @@ class LLMEngine:
         self.proposer = self._proposers[key]
         self.config.speculative = spec
 
+    def reset_speculative_state(self) -> None:
+        """Forget what every speculative config of this engine has learned (acceptance, answer lengths, suffix
+        caches): the next request of each starts as in a freshly loaded engine. The timed pass costs are kept.
+        For benchmarks, whose warm-up requests would otherwise teach the policy that answers are short."""
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("reset_speculative_state() needs an idle engine: running requests hold proposer "
+                               "state.")
+        self._proposers.clear()
+        self.set_speculative(self.config.speculative)
+
     def calibrate_costs(self, refresh: bool = False):
         """The pass costs adaptive k weighs, for the current proposer: timed once (a few seconds on a CPU)
         and kept in the cache folder per model files, weight formats, CPU, kernel path and threads, so later
