@@ -151,7 +151,8 @@ class LLMEngine:
         identity = {"target": self.model_path, "draft": self.draft_path, "quantization": c.quantization,
                     "draft_quantization": c.draft_quantization(), "dtype": c.dtype, "device": str(self.target.device),
                     "kv_cache_dtype": getattr(c, "kv_cache_dtype", None), "threads": torch.get_num_threads(),
-                    "kernel": kernels.describe() if self.target.device.type == "cpu" else torch.__version__}
+                    "kernel": (kernels.describe(), kernels.source_digest()) if self.target.device.type == "cpu"
+                    else torch.__version__}
         try:
             return self.proposer.calibrate(self.target, self.max_model_len, identity, refresh)
         finally:

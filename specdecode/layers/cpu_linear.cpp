@@ -589,6 +589,7 @@ static inline void w8a8_group(const W8Args& a, int64_t m0, int64_t g) {
           // |q| * (sign(q) * w): byte pairs stay within int16 because |q|, |w| <= 127.
           const __m256i p = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(wv[h], q));
           t[r][h] = _mm256_add_epi32(t[r][h], _mm256_madd_epi16(p, ones));
+          __asm__("" : "+x"(t[r][h]));  // see w4a8_group: keeps GCC from hoisting every product and spilling
         }
       }
     }
@@ -1113,9 +1114,11 @@ static inline void w4a8_group(const W4Args& a, int64_t m0, int64_t g) {
         const int8_t* q = a.x.q + (m0 + r) * a.x.ldq + b * kQBlock + 8 * j;
         const __m256i q0 = _mm256_set1_epi32(load4(q)), q1 = _mm256_set1_epi32(load4(q + 4));
 #pragma GCC unroll 2
-        for (int h = 0; h < H; ++h)
+        for (int h = 0; h < H; ++h) {
           t[r][h] = _mm256_add_epi16(t[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], q0),
                                                                _mm256_maddubs_epi16(hi[h], q1)));
+          __asm__("" : "+x"(t[r][h]));
+        }
       }
     }
     __m256 sc[H];
@@ -1152,19 +1155,18 @@ static inline void w4a8_group(const W4Args& a, int64_t m0, int64_t g) {
   }
 }
 #ifndef SPECDECODE_W4_ROWS
-#define SPECDECODE_W4_ROWS 2
+#define SPECDECODE_W4_ROWS 4
 #endif
-// Rows per pass over a group: more rows' int16 and float accumulators than the 16 ymm registers hold spill on
-// every block, and a second pass over the group reads its few KB from L1.
+// Rows per pass over a group: at most kW4Rows, in passes as even as can be (5 rows: 3 + 2). Each pass unpacks
+// the group's nibbles again, from L1; more rows' accumulators than the 16 ymm registers hold spill, but only
+// the float ones, once per block.
 constexpr int kW4Rows = SPECDECODE_W4_ROWS;
 template <int R>
 static inline void w4a8_group_rows(const W4Args& a, int64_t m0, int64_t g) {
-  if constexpr (R <= kW4Rows) {
-    w4a8_group<R>(a, m0, g);
-  } else {
-    w4a8_group<kW4Rows>(a, m0, g);
-    w4a8_group_rows<R - kW4Rows>(a, m0 + kW4Rows, g);
-  }
+  constexpr int passes = (R + kW4Rows - 1) / kW4Rows;
+  constexpr int first = (R + passes - 1) / passes;
+  w4a8_group<first>(a, m0, g);
+  if constexpr (R > first) w4a8_group_rows<R - first>(a, m0 + first, g);
 }
 template <int R, int C>
 static inline void w4a8_tile(const W4Args& a, int64_t m0, int64_t g0) {

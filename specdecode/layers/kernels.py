@@ -498,6 +498,18 @@ def kernel_info() -> dict:
             "isa": ext.isa() if ext is not None else None, "amx": amx_active(), "disabled": _disabled()}
 
 
+def source_digest() -> str:
+    """A short digest of the kernel's C++ source: pass costs timed with one build say little about another."""
+    global _source_digest
+    if _source_digest is None:
+        with open(_SOURCE, "rb") as f:
+            _source_digest = hashlib.sha1(f.read()).hexdigest()[:12]
+    return _source_digest
+
+
+_source_digest: str | None = None
+
+
 def describe() -> str:
     """One line for reports: which CPU path decode and verification rows run on."""
     info = kernel_info()
