@@ -376,16 +376,17 @@ def test_kv_cache_narrowing_matches_torch():
 
 
 def _stack_logits(path) -> torch.Tensor:
-    """Verification rows through the C++ stack over a 16-bit cache (two requests, one crossing a block)."""
+    """Verification rows through the C++ stack over a 16-bit cache (two requests, one crossing blocks, with more
+    keys than one vector of scores)."""
     from specdecode.engine.model_runner import ModelRunner
     from specdecode.models.loader import load_model
 
     r = ModelRunner(load_model(path, "float32", "cpu", 64, "w8a8"), 2, 64, "cpu")
     assert r.model._layer_stack() is not None and r.kv_cache.dtype == torch.float16
-    ids = torch.randint(5, 500, (30,), generator=torch.Generator().manual_seed(1)).tolist()
-    r.prefill(0, ids[:14])
+    ids = torch.randint(5, 500, (50,), generator=torch.Generator().manual_seed(1)).tolist()
+    r.prefill(0, ids[:37])
     r.prefill(1, ids[:5])
-    return torch.cat(r.forward_rows([(0, 14, ids[14:20]), (1, 5, ids[5:6])], all_logits=True))
+    return torch.cat(r.forward_rows([(0, 37, ids[37:43]), (1, 5, ids[5:6])], all_logits=True))
 
 
 def test_integer_instruction_sets_agree_bitwise(tmp_path, tiny_models):

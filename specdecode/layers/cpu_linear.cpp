@@ -1523,6 +1523,52 @@ static inline float fast_exp(float x) {
   return p * two_n;
 }
 
+#if SPECDECODE_AVX2
+// fast_exp on 8 lanes: its own operations, lane by lane, so the bits are the same (GCC does not vectorize
+// fast_exp itself, because of its std::min / std::max clamps).
+static inline __m256 fast_exp8(__m256 x) {
+  // max(x, lo) and min(x, hi) return their second operand for a NaN, as std::max(lo, x) / std::min(hi, x) do
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365447504f)), _mm256_set1_ps(88.3762626647949f));
+  const __m256 magic = _mm256_set1_ps(12582912.0f);
+  const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), magic), magic);
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
+// y[i] = fast_exp(x[i] - sub) for i < n (the softmax numerators).
+static inline void exp_shifted(const float* x, float sub, float* y, int64_t n) {
+  int64_t i = 0;
+#if SPECDECODE_AVX2
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, fast_exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(sub))));
+#endif
+  for (; i < n; ++i) y[i] = fast_exp(x[i] - sub);
+}
+
+// r[i] = silu(r[i]) * r[I + i] for i < I: r[i] / (1 + fast_exp(-r[i])) * r[I + i], in that order.
+static inline void silu_mul(float* r, int64_t I) {
+  int64_t i = 0;
+#if SPECDECODE_AVX2
+  const __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
+  for (; i + 8 <= I; i += 8) {
+    const __m256 g = _mm256_loadu_ps(r + i);
+    const __m256 e = fast_exp8(_mm256_xor_ps(g, neg));
+    _mm256_storeu_ps(r + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(r + I + i)));
+  }
+#endif
+  for (; i < I; ++i) r[i] = r[i] / (1.0f + fast_exp(-r[i])) * r[I + i];
+}
+
 static void rms_norm(const float* x, const float* w, int64_t n, float eps, float* y) {
   const float r = 1.0f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + eps);
   for (int64_t i = 0; i < n; ++i) y[i] = (x[i] * r) * w[i];
@@ -1553,6 +1599,32 @@ constexpr int64_t kValueTile = 32;
 // acc[a][jj] = sum_d q[a][d] * kt[d][jj] for NQ queries against one tile of kKeyTile transposed keys
 // ([D, kKeyTile]): the NQ x kKeyTile independent sums keep the vector units busy where one dot product at a
 // time would wait on its own additions.
+#if SPECDECODE_AVX2 && !defined(__AVX512F__)
+// AVX2 without AVX-512: the same sums as the generic version below, lane for lane (a product, then a sum, each
+// rounded once), in pairs of 8-lane registers. GCC lowers a 16-lane vector type on AVX2 by moving every
+// accumulator through the stack and general registers at each step, which made this loop most of a
+// verification's attention time.
+template <int NQ>
+static inline void score_tile(const float* const* q, const float* kt, int64_t D, float scale, int64_t jt,
+                              float* const* out) {
+  __m256 lo[NQ], hi[NQ];
+  for (int a = 0; a < NQ; ++a) lo[a] = hi[a] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m256 k0 = _mm256_loadu_ps(kt + d * kKeyTile), k1 = _mm256_loadu_ps(kt + d * kKeyTile + 8);
+    for (int a = 0; a < NQ; ++a) {
+      const __m256 qa = _mm256_set1_ps(q[a][d]);
+      lo[a] = _mm256_add_ps(lo[a], _mm256_mul_ps(qa, k0));
+      hi[a] = _mm256_add_ps(hi[a], _mm256_mul_ps(qa, k1));
+    }
+  }
+  for (int a = 0; a < NQ; ++a) {
+    alignas(32) float t[kKeyTile];
+    _mm256_store_ps(t, lo[a]);
+    _mm256_store_ps(t + 8, hi[a]);
+    for (int64_t jj = 0; jj < jt; ++jj) out[a][jj] = t[jj] * scale;
+  }
+}
+#else
 template <int NQ>
 static inline void score_tile(const float* const* q, const float* kt, int64_t D, float scale, int64_t jt,
                               float* const* out) {
@@ -1570,6 +1642,7 @@ static inline void score_tile(const float* const* q, const float* kt, int64_t D,
     for (int64_t jj = 0; jj < jt; ++jj) out[a][jj] = t[jj] * scale;
   }
 }
+#endif
 
 // acc[a][d] += sum_j p[a][j] * v_j[d] over keys [j0, j1) in key order, for NQ queries that all see those keys;
 // vals holds v_j0, v_j0+1, ... DT = D known at compile time keeps the running sums in registers for the tile.
@@ -1644,7 +1717,7 @@ static void attend_rows(const LayerDesc& L, const StackDims& g, const float* qkv
     const int64_t li = lens[i];
     float mx = s[0];
     for (int64_t j = 1; j < li; ++j) mx = std::max(mx, s[j]);
-    for (int64_t j = 0; j < li; ++j) s[j] = fast_exp(s[j] - mx);
+    exp_shifted(s, mx, s, li);
     float t = 0.0f;
     for (int64_t j = 0; j < li; ++j) t += s[j];
     total[i] = t;
@@ -1725,10 +1798,7 @@ static void layer_forward(const LayerDesc& L, const StackDims& g, float* x, int6
   for (int64_t i = 0; i < M * h; ++i) x[i] = x[i] + y[i];
   for (int64_t m = 0; m < M; ++m) rms_norm(x + m * h, L.mlp_norm, h, g.eps, y + m * h);
   linear(L.gate_up, y, h, M, gu, 2 * I);
-  for (int64_t m = 0; m < M; ++m) {  // silu(gate) * up, packed into the first I columns of the row
-    float* r = gu + m * 2 * I;
-    for (int64_t i = 0; i < I; ++i) r[i] = r[i] / (1.0f + fast_exp(-r[i])) * r[I + i];
-  }
+  for (int64_t m = 0; m < M; ++m) silu_mul(gu + m * 2 * I, I);  // silu(gate) * up, in the first I columns
   linear(L.down, gu, 2 * I, M, y, h);
   for (int64_t i = 0; i < M * h; ++i) x[i] = x[i] + y[i];
 }
