@@ -438,10 +438,59 @@ struct W8Args {
   const uint8_t* group(int64_t g) const { return w + g * Kp * kGroup; }
 };
 
+#if SPECDECODE_AVX2
+// One full block of quantize_row with AVX2: the same operations lane by lane (max of |x|, the rounding of
+// nearbyint, the clamps; max / min return their second operand for a NaN, as std::max(-127, v) / std::min(127,
+// v) and std::max(amax, |x|) do), so the same bytes and sums. Returns the block's sum of q.
+static inline int32_t quantize_block_avx2(const float* x, int8_t* q, int8_t* qabs, float* d_out) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 v[4], amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    amax = _mm256_max_ps(_mm256_and_ps(v[i], absmask), amax);
+  }
+  alignas(32) float m[8];
+  _mm256_store_ps(m, amax);
+  float a = 0.0f;
+  for (int l = 0; l < 8; ++l) a = std::max(a, m[l]);
+  const float d = a / 127.0f;
+  const float id = d > 0.0f ? 1.0f / d : 0.0f;
+  *d_out = d;
+  __m256i w[4];
+  for (int i = 0; i < 4; ++i) {
+    __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(id)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r = _mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+    w[i] = _mm256_cvtps_epi32(r);
+  }
+  // int32 -> int8 (exact: every value is in -127..127), back in element order
+  const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(w[0], w[1]), 0xD8);
+  const __m256i x16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(w[2], w[3]), 0xD8);
+  const __m256i b = _mm256_permute4x64_epi64(_mm256_packs_epi16(w16, x16), 0xD8);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), b);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(qabs), _mm256_abs_epi8(b));
+  const __m256i s = _mm256_add_epi32(_mm256_add_epi32(w[0], w[1]), _mm256_add_epi32(w[2], w[3]));
+  alignas(32) int32_t t[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(t), s);
+  int32_t sum = 0;
+  for (int l = 0; l < 8; ++l) sum += t[l];
+  return sum;
+}
+#endif
+
 static void quantize_row(const float* x, int64_t K, int64_t Kp, int8_t* q, int8_t* qabs, int32_t* ncorr, float* dl,
                          float* noff) {
   for (int64_t b0 = 0; b0 < Kp; b0 += kQBlock) {
     const int64_t n = std::max<int64_t>(0, std::min<int64_t>(kQBlock, K - b0));
+#if SPECDECODE_AVX2
+    if (n == kQBlock) {
+      float d;
+      const int32_t sum = quantize_block_avx2(x + b0, q + b0, qabs + b0, &d);
+      ncorr[b0 / kQBlock] = -128 * sum;
+      dl[b0 / kQBlock] = d;
+      noff[b0 / kQBlock] = -(d * static_cast<float>(sum));
+      continue;
+    }
+#endif
     float amax = 0.0f;
     for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[b0 + i]));
     const float d = amax / 127.0f;
