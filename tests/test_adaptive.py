@@ -1,6 +1,7 @@
 """Adaptive k: the cost model's choices, and exactness plus clean cost accounting in the engine."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -166,28 +167,31 @@ def test_costs_follow_the_context_length():
     assert choose_k(0.6, 0.6, 4, c, draft_is_free=True, context=2000) < choose_k(0.6, 0.6, 4, c, True, 100)
 
 
-def test_a_busy_engine_refuses_to_calibrate(one_thread, llm_cache, tiny_models):
+@contextlib.contextmanager
+def _busy(eng):
+    """The engine with one request running, finished afterwards."""
     from specdecode.sampling_params import SamplingParams
 
-    llm = llm_cache.get(tiny_models["llama"], speculative_model="[ngram]", num_speculative_tokens=2,
-                        speculative_adaptive=True)
-    eng = llm.engine
     eng.add_request("busy", [5, 6, 7], SamplingParams(max_tokens=4))
     try:
-        with pytest.raises(RuntimeError, match="idle engine"):
-            eng.calibrate_costs()
+        yield eng
     finally:
         eng.abort_request("busy")
         while eng.has_unfinished_requests():
             eng.step()
 
 
+def test_a_busy_engine_refuses_to_calibrate(one_thread, llm_cache, tiny_models):
+    llm = llm_cache.get(tiny_models["llama"], speculative_model="[ngram]", num_speculative_tokens=2,
+                        speculative_adaptive=True)
+    with _busy(llm.engine) as eng, pytest.raises(RuntimeError, match="idle engine"):
+        eng.calibrate_costs()
+
+
 def test_reset_speculative_state_forgets_what_was_learned(one_thread, llm_cache, tiny_models, tiny_draft):
     """A benchmark's warm-up must not teach the policy (a 16-token warm-up reads as a short answer, which keeps
     the draft model off at the start of the next requests): after reset_speculative_state() the proposer starts
     afresh from the calibrated costs, and greedy output is unchanged."""
-    from specdecode.sampling_params import SamplingParams
-
     llm = llm_cache.get(tiny_models["llama"], speculative_model=str(tiny_draft), num_speculative_tokens=3,
                         speculative_adaptive=True, speculative_ngram_first=True)
     eng = llm.engine
@@ -200,14 +204,8 @@ def test_reset_speculative_state_forgets_what_was_learned(one_thread, llm_cache,
     assert new.costs.prior.first_n == new.costs.lookup_prior.first_n == 0
     assert new.costs.verify_cost(2) == old.costs.verify_cost(2)  # the timed pass costs are kept
     assert gen_ids(llm, PROMPTS[:1], max_tokens=6, **GREEDY) == first
-    eng.add_request("busy", [5, 6, 7], SamplingParams(max_tokens=4))
-    try:
-        with pytest.raises(RuntimeError, match="idle engine"):
-            eng.reset_speculative_state()
-    finally:
-        eng.abort_request("busy")
-        while eng.has_unfinished_requests():
-            eng.step()
+    with _busy(eng), pytest.raises(RuntimeError, match="idle engine"):
+        eng.reset_speculative_state()
 
 
 def test_a_rate_nobody_observes_drifts_back_instead_of_freezing():
