@@ -363,7 +363,8 @@ def test_other_cpu_share_sees_a_busy_process():
 
     import specdecode.speculative.adaptive as ad
 
-    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    # Bounded, so that a test run killed before the finally below leaves no process spinning behind it.
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 30\nwhile time.time() < end: pass"])
     try:
         time.sleep(0.3)  # let it start
         before = ad._cpu_times()
