@@ -364,7 +364,8 @@ def test_other_cpu_share_sees_a_busy_process():
     import specdecode.speculative.adaptive as ad
 
     # Bounded, so that a test run killed before the finally below leaves no process spinning behind it.
-    spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 30\nwhile time.time() < end: pass"])
+    spin = "import time\nend = time.time() + 30\nwhile time.time() < end: pass"
+    spinner = subprocess.Popen([sys.executable, "-c", spin])
     try:
         time.sleep(0.3)  # let it start
         before = ad._cpu_times()

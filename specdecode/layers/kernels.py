@@ -34,6 +34,7 @@ invariance is NOT guaranteed there.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -498,16 +499,11 @@ def kernel_info() -> dict:
             "isa": ext.isa() if ext is not None else None, "amx": amx_active(), "disabled": _disabled()}
 
 
+@functools.cache
 def source_digest() -> str:
     """A short digest of the kernel's C++ source: pass costs timed with one build say little about another."""
-    global _source_digest
-    if _source_digest is None:
-        with open(_SOURCE, "rb") as f:
-            _source_digest = hashlib.sha1(f.read()).hexdigest()[:12]
-    return _source_digest
-
-
-_source_digest: str | None = None
+    with open(_SOURCE, "rb") as f:
+        return hashlib.sha1(f.read()).hexdigest()[:12]
 
 
 def describe() -> str:
