@@ -467,9 +467,21 @@ def test_draft_catch_up_waits_until_a_request_outlives_the_short_answers():
     assert long_only.plan([request(0)], [500], [0], [4])[0][1] > 0
     mixed = AdaptiveK(enabled=True, costs=_cpu_like())
     finished(mixed, [400, 400, 12, 400, 20, 400, 400, 16, 400, 400] * 2)  # the mean is 285 tokens
-    assert mixed.assured_left(request(0), 500) <= 20 < mixed.assured_left(request(21), 500)
+    # Each short answer stands for answers up to twice as long: the draft model starts past 2 x 20 tokens.
+    assert mixed.assured_left(request(0), 500) <= 20 < mixed.assured_left(request(41), 500)
     assert mixed.plan([request(0)], [500], [0], [4]) == [(False, 0)]
-    assert mixed.plan([request(21)], [500], [0], [4])[0][1] > 0
+    assert mixed.plan([request(21)], [500], [0], [4]) == [(False, 0)]
+    assert mixed.plan([request(41)], [500], [0], [4])[0][1] > 0
+    # A request that has just outlived a few short answers (10 and 12 tokens, as in a chat client's warm-up and
+    # a one-line answer) among long ones is still likely short itself: no catch-up at 13 tokens. Answers cut by
+    # their budget are not spread: they say nothing about answers ending early.
+    few_short = AdaptiveK(enabled=True, costs=_cpu_like())
+    for n, reason in [(10, "stop")] + [(128, "length")] * 4 + [(12, "stop")] + [(128, "length")] * 4:
+        few_short.finished(SimpleNamespace(num_output_tokens=n, finish_reason=reason))
+    assert few_short.assured_left(request(13), 500) <= 12
+    assert few_short.plan([request(13)], [115], [0], [4]) == [(False, 0)]
+    assert few_short.assured_left(request(30), 98) == 98
+    assert few_short.plan([request(30)], [98], [0], [4])[0][1] > 0
     # The budget caps what is left: 8 tokens to go cannot pay for the prefill however long answers run.
     assert long_only.assured_left(request(0), 7) == 8
     assert long_only.plan([request(0)], [7], [0], [4]) == [(False, 0)]

@@ -55,7 +55,11 @@ MAX_PROBE_EVERY = 64
 _LEN_PRIOR, _LEN_PRIOR_WEIGHT = 128.0, 2.0  # output tokens a request is taken to run before any has finished
 _MIN_LEFT = 16.0
 _LEN_WINDOW = 128      # finished requests whose lengths are kept (older ones weigh < 0.1 by then)
-_ASSURED = 0.9         # a one-off draft catch-up must pay back within what this share of requests runs on
+_ASSURED = 0.95        # a one-off draft catch-up must pay back within what this share of requests runs on
+# A finished answer of L tokens that ended by itself stands for answers of L/2 .. 2L (log-uniform, as points):
+# answers to similar short questions vary that much, and a request that has just outlived the short answers seen
+# so far is still likely to be one of them.
+_LEN_SPREAD = tuple(2.0 ** (j / 4) for j in range(-4, 5))
 _PEAK_DECAY = 0.98     # per step: how fast the remembered batch size falls back after the batch shrinks
 
 
@@ -581,6 +585,7 @@ class AdaptiveK:
         self.enabled = enabled
         self.costs = costs if costs is not None else CostModel()
         self._lengths: list[int] = []  # output lengths of the last finished requests, oldest first
+        self._capped: list[bool] = []  # whether each of them was cut by its budget (so it would have run longer)
         self._peak = 0.0  # recent batch sizes, decayed: what a batch that shrank for a moment grows back to
         self.expected_batch = 0  # requests the engine holds now (Proposer.expect_batch)
 
@@ -718,14 +723,18 @@ class AdaptiveK:
         least as long as r has so far (and capped by r's budget): what a draft catch-up is spread over. A
         quantile, not the mean: answers come short or long, and the mean of such a mix says that a short
         answer is about to run long, so its catch-up would never be paid back. This way the draft model starts
-        at once where answers run long, and where some are short, only after r has outlived them. A request
+        at once where answers run long, and where some are short, only after r has clearly outlived them
+        (each answer that ended by itself stands for a spread of lengths around it, _LEN_SPREAD). A request
         that outlives every one seen is taken to have _MIN_LEFT to go."""
         done = getattr(r, "num_output_tokens", 0)
         n = len(self._lengths)
         # Decayed weights: the newest finished request weighs 1, each one before it _PRIOR_DECAY times less,
         # and the guess made before any had finished fades the same way.
-        seen = [(length, _PRIOR_DECAY ** (n - 1 - i)) for i, length in enumerate(self._lengths)]
-        seen.append((_LEN_PRIOR, _LEN_PRIOR_WEIGHT * _PRIOR_DECAY ** n))
+        seen = [(_LEN_PRIOR, _LEN_PRIOR_WEIGHT * _PRIOR_DECAY ** n)]
+        for i, (length, capped) in enumerate(zip(self._lengths, self._capped)):
+            w = _PRIOR_DECAY ** (n - 1 - i)
+            spread = (1.0,) if capped else _LEN_SPREAD
+            seen += [(length * f, w / len(spread)) for f in spread]
         rest = sorted((min(length - done, budget + 1), w) for length, w in seen if length > done)
         if not rest:
             return max(1.0, min(budget + 1, _MIN_LEFT))
@@ -742,7 +751,9 @@ class AdaptiveK:
         if getattr(r, "spec_finished", False):
             return
         r.spec_finished = True
-        self._lengths = self._lengths[-(_LEN_WINDOW - 1):] + [getattr(r, "num_output_tokens", 0)]
+        keep = _LEN_WINDOW - 1
+        self._lengths = self._lengths[-keep:] + [getattr(r, "num_output_tokens", 0)]
+        self._capped = self._capped[-keep:] + [getattr(r, "finish_reason", None) == "length"]
         r.spec_plan = None
 
     def lookup_depth(self, r, cap: int) -> int:
