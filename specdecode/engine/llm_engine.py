@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -46,11 +45,10 @@ class LLMEngine:
         torch.manual_seed(c.seed)
         t0 = time.perf_counter()
         target_path = resolve_model(c.model, "target")
-        # The tokenizer's parse (in Rust, without the GIL) overlaps the weights' mapping.
-        with ThreadPoolExecutor(1, thread_name_prefix="specdecode-tokenizer") as pool:
-            tokenizer = pool.submit(load_tokenizer, target_path, target_path.is_file())
-            target = load_model(target_path, c.dtype, c.device, c.max_model_len, c.quantization)
-            self.tokenizer = tokenizer.result()
+        # One after the other: the tokenizers library holds the GIL while it parses, so a parse in a thread
+        # only stalls the weights' loading (which was slower overlapped than after it).
+        target = load_model(target_path, c.dtype, c.device, c.max_model_len, c.quantization)
+        self.tokenizer = load_tokenizer(target_path, target_path.is_file())
         self.max_model_len = target.max_model_len
         self.eos_token_ids = eos_ids(self.tokenizer, target.hf_config)
         self.model_path = target_path
