@@ -55,11 +55,11 @@ MAX_PROBE_EVERY = 64
 _LEN_PRIOR, _LEN_PRIOR_WEIGHT = 128.0, 2.0  # output tokens a request is taken to run before any has finished
 _MIN_LEFT = 16.0
 _LEN_WINDOW = 128      # finished requests whose lengths are kept (older ones weigh < 0.1 by then)
-_ASSURED = 0.95        # a one-off draft catch-up must pay back within what this share of requests runs on
-# A finished answer of L tokens that ended by itself stands for answers of L/2 .. 2L (log-uniform, as points):
-# answers to similar short questions vary that much, and a request that has just outlived the short answers seen
-# so far is still likely to be one of them.
-_LEN_SPREAD = tuple(2.0 ** (j / 4) for j in range(-4, 5))
+_ASSURED = 0.9         # a one-off draft catch-up must pay back within what this share of requests runs on
+# A finished answer of L tokens that ended by itself stands for answers of L .. 2L (log-uniform, as points): a
+# request that has just outlived the short answers seen so far is still likely to be one of them, while one that
+# has not reached L yet is not taken to end any sooner than L.
+_LEN_SPREAD = tuple(2.0 ** (j / 4) for j in range(5))
 _PEAK_DECAY = 0.98     # per step: how fast the remembered batch size falls back after the batch shrinks
 
 
@@ -724,7 +724,7 @@ class AdaptiveK:
         quantile, not the mean: answers come short or long, and the mean of such a mix says that a short
         answer is about to run long, so its catch-up would never be paid back. This way the draft model starts
         at once where answers run long, and where some are short, only after r has clearly outlived them
-        (each answer that ended by itself stands for a spread of lengths around it, _LEN_SPREAD). A request
+        (each answer that ended by itself stands for answers up to twice as long, _LEN_SPREAD). A request
         that outlives every one seen is taken to have _MIN_LEFT to go."""
         done = getattr(r, "num_output_tokens", 0)
         n = len(self._lengths)
