@@ -482,6 +482,11 @@ def test_draft_catch_up_waits_until_a_request_outlives_the_short_answers():
     assert few_short.plan([request(13)], [115], [0], [4]) == [(False, 0)]
     assert few_short.assured_left(request(30), 98) == 98
     assert few_short.plan([request(30)], [98], [0], [4])[0][1] > 0
+    # Nor is a request taken to end sooner than the answers seen: after one 65-token answer, a request at its
+    # first token has at least 64 to go (JSON answers of 65 and 128 tokens, say).
+    one_answer = AdaptiveK(enabled=True, costs=_cpu_like())
+    one_answer.finished(SimpleNamespace(num_output_tokens=65, finish_reason="stop"))
+    assert one_answer.assured_left(request(1), 127) >= 64
     # The budget caps what is left: 8 tokens to go cannot pay for the prefill however long answers run.
     assert long_only.assured_left(request(0), 7) == 8
     assert long_only.plan([request(0)], [7], [0], [4]) == [(False, 0)]
