@@ -33,7 +33,9 @@ earn back: where some answers are short, the draft model starts once a request h
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -586,6 +588,7 @@ class AdaptiveK:
         self.costs = costs if costs is not None else CostModel()
         self._lengths: list[int] = []  # output lengths of the last finished requests, oldest first
         self._capped: list[bool] = []  # whether each of them was cut by its budget (so it would have run longer)
+        self._points: tuple[list[float], list[float]] | None = None  # see _length_points; None: to rebuild
         self._peak = 0.0  # recent batch sizes, decayed: what a batch that shrank for a moment grows back to
         self.expected_batch = 0  # requests the engine holds now (Proposer.expect_batch)
 
@@ -727,23 +730,33 @@ class AdaptiveK:
         (each answer that ended by itself stands for answers up to twice as long, _LEN_SPREAD). A request
         that outlives every one seen is taken to have _MIN_LEFT to go."""
         done = getattr(r, "num_output_tokens", 0)
-        n = len(self._lengths)
-        # Decayed weights: the newest finished request weighs 1, each one before it _PRIOR_DECAY times less,
-        # and the guess made before any had finished fades the same way.
-        seen = [(_LEN_PRIOR, _LEN_PRIOR_WEIGHT * _PRIOR_DECAY ** n)]
-        for i, (length, capped) in enumerate(zip(self._lengths, self._capped)):
-            w = _PRIOR_DECAY ** (n - 1 - i)
-            spread = (1.0,) if capped else _LEN_SPREAD
-            seen += [(length * f, w / len(spread)) for f in spread]
-        rest = sorted((min(length - done, budget + 1), w) for length, w in seen if length > done)
-        if not rest:
+        lengths, cum = self._length_points()
+        lo = bisect.bisect_right(lengths, done)  # the points r has not outlived
+        if lo == len(lengths):
             return max(1.0, min(budget + 1, _MIN_LEFT))
-        below, total = 0.0, sum(w for _, w in rest)
-        for left, w in rest:
-            below += w
-            if below >= (1.0 - _ASSURED) * total:
-                return max(1.0, left)
-        return max(1.0, rest[-1][0])
+        # What is left grows with the length, so the points from lo on are already in order of it: the quantile
+        # is the first point by which (1 - _ASSURED) of their weight is reached.
+        need = cum[lo] + (1.0 - _ASSURED) * (cum[-1] - cum[lo])
+        j = min(bisect.bisect_left(cum, need, lo + 1), len(lengths)) - 1
+        return max(1.0, min(lengths[j] - done, budget + 1))
+
+    def _length_points(self) -> tuple[list[float], list[float]]:
+        """The finished requests' lengths as weighted points, sorted by length, with their cumulative weights
+        (cum[i]: the weight of the points before i). Decayed weights: the newest finished request weighs 1,
+        each one before it _PRIOR_DECAY times less, and the guess made before any had finished fades the
+        same way; an answer that ended by itself is spread over _LEN_SPREAD. Built once per finished request,
+        not at every step that asks assured_left."""
+        if self._points is None:
+            n = len(self._lengths)
+            seen = [(_LEN_PRIOR, _LEN_PRIOR_WEIGHT * _PRIOR_DECAY ** n)]
+            for i, (length, capped) in enumerate(zip(self._lengths, self._capped)):
+                w = _PRIOR_DECAY ** (n - 1 - i)
+                spread = (1.0,) if capped else _LEN_SPREAD
+                seen += [(length * f, w / len(spread)) for f in spread]
+            seen.sort()
+            self._points = [length for length, _ in seen], list(itertools.accumulate((w for _, w in seen),
+                                                                                     initial=0.0))
+        return self._points
 
     def finished(self, r) -> None:
         """r is done: its length teaches how long requests run (for spreading one-off draft work). Once per
@@ -754,6 +767,7 @@ class AdaptiveK:
         keep = _LEN_WINDOW - 1
         self._lengths = self._lengths[-keep:] + [getattr(r, "num_output_tokens", 0)]
         self._capped = self._capped[-keep:] + [getattr(r, "finish_reason", None) == "length"]
+        self._points = None
         r.spec_plan = None
 
     def lookup_depth(self, r, cap: int) -> int:
