@@ -414,6 +414,9 @@ def test_integer_instruction_sets_agree_bitwise(tmp_path, tiny_models):
         q, sc, off = kernels._w4_unpack(cases[-1][0])
         assert off is not None  # the offsets' epilogue is compared, and (next) the format without it
         cases.append((kernels._w4_pack(q, sc, None, k), _x(7, k, 70 + i) * 4, torch.randn(n)))
+    # 7 rows take the tiles of 4 and 3 rows; 1 and 2 rows (decode, short verification) take the paths that run
+    # the offsets' chains inside the block loop.
+    cases += [(p, x[:n], b) for p, x, b in list(cases) for n in (1, 2)]
     expected = [kernels.rowinv_linear(x, p, b) for p, x, b in cases]
     models = [tiny_models["qwen3"], build_model("qwen2", tmp_path / "head64", layers=1, hidden=256)]  # D 32, 64
     expected_stack = [_stack_logits(m) for m in models]

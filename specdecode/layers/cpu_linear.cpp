@@ -1004,11 +1004,27 @@ static inline SPECDECODE_ALWAYS_INLINE void w4a8_store_tile(const W4Args& a, int
                                                             __m512 (&acc)[R][C]) {
 #pragma GCC unroll 4
   for (int c = 0; c < C; ++c) {
-    alignas(64) float out[16];
+    alignas(64) float out[16], off[R][16];
+    if (a.off) {
+      // The offsets' chains of the R rows at once, all 16 lanes: each offset vector is loaded once for every
+      // row, and the R chains run side by side (one row's chain alone waits on its fma latency at every block).
+      const uint16_t* og = a.off + (g0 + c) * a.nblocks * kGroup;
+      __m512 oc[R];
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) oc[r] = _mm512_setzero_ps();
+      for (int64_t b = 0; b < a.nblocks; ++b) {
+        const __m512 ob = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(og + b * kGroup)));
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r)
+          oc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a.x.noff[(m0 + r) * a.x.ldb + b]), ob, oc[r]);
+      }
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) _mm512_store_ps(off[r], oc[r]);
+    }
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       _mm512_store_ps(out, acc[r][c]);
-      w4a8_store(a, m0 + r, (g0 + c) * kGroup, out, 16);
+      w4a8_store(a, m0 + r, (g0 + c) * kGroup, out, 16, a.off ? off[r] : nullptr);
     }
   }
 }
@@ -1084,10 +1100,24 @@ static inline void w4a8_one(const W4Args& a, int64_t m0, int64_t g) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   const uint8_t* wg = a.group(g);
   const uint16_t* sg = a.scales(g);
+  // The offsets' chain (see w4a8_offsets) of all 16 channels, block by block beside the integer sums: the
+  // same fma per lane in the same block order, so the same bits, but its latency now hides behind the weight
+  // stream instead of following it as two serial passes per row.
+  const uint16_t* og = a.off ? a.off + g * a.nblocks * kGroup : nullptr;
+  __m512 oacc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) oacc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.nblocks; ++b) {
     if (kPrefetch) {
       for (int l = 0; l < 4; ++l) prefetch(reinterpret_cast<const char*>(wg) + (b + kW4PrefetchBlocks) * 256 + 64 * l);
       if ((b & 1) == 0) prefetch(reinterpret_cast<const char*>(sg + (b + kW4PrefetchBlocks) * kGroup));
+      if (og && (b & 1) == 0) prefetch(reinterpret_cast<const char*>(og + (b + kW4PrefetchBlocks) * kGroup));
+    }
+    if (og) {
+      const __m512 ob = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(og + b * kGroup)));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+        oacc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a.x.noff[(m0 + r) * a.x.ldb + b]), ob, oacc[r]);
     }
     __m512i t[R][4];
 #pragma GCC unroll 8
@@ -1115,11 +1145,12 @@ static inline void w4a8_one(const W4Args& a, int64_t m0, int64_t g) {
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tt), _mm512_mul_ps(d, sc), acc[r]);
     }
   }
-  alignas(64) float out[16];
+  alignas(64) float out[16], c[16];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     _mm512_store_ps(out, acc[r]);
-    w4a8_store(a, m0 + r, g * kGroup, out, 16);
+    _mm512_store_ps(c, oacc[r]);
+    w4a8_store(a, m0 + r, g * kGroup, out, 16, og ? c : nullptr);
   }
 }
 
@@ -1139,7 +1170,32 @@ static inline void w4a8_group(const W4Args& a, int64_t m0, int64_t g) {
   const uint16_t* sg = a.scales(g);
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
+  // With few rows the offsets' chains (see w4a8_offsets) run beside the integer sums, block by block: the same
+  // fma per lane in the same order, so the same bits, with their latency hidden behind the weight stream. With
+  // more rows their registers would spill, and the R chains side by side after the loop keep the units busy.
+  constexpr bool kInLoop = R <= 3;
+  const uint16_t* og = kInLoop && a.off ? a.off + g * a.nblocks * kGroup : nullptr;
+  __m256 oacc[R][H];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int h = 0; h < H; ++h) oacc[r][h] = _mm256_setzero_ps();
   for (int64_t b = 0; b < a.nblocks; ++b) {
+    if (og) {
+#pragma GCC unroll 2
+      for (int h = 0; h < H; ++h) {
+#if defined(__F16C__)
+        const __m256 ob = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(og + b * kGroup + 8 * h)));
+#else
+        alignas(32) float f[8];
+        for (int l = 0; l < 8; ++l) f[l] = half_to_float(og[b * kGroup + 8 * h + l]);
+        const __m256 ob = _mm256_load_ps(f);
+#endif
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+          oacc[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(a.x.noff[(m0 + r) * a.x.ldb + b]), ob, oacc[r][h]);
+      }
+    }
     {
 #pragma GCC unroll 4
       for (int l = 0; l < 4; ++l) prefetch(reinterpret_cast<const char*>(wg + (b + kW4PrefetchBlocks) * 256 + 64 * l));
@@ -1198,7 +1254,11 @@ static inline void w4a8_group(const W4Args& a, int64_t m0, int64_t g) {
 #pragma GCC unroll 2
   for (int h = 0; h < H; ++h) {
     alignas(32) float out[8], c[R][8];
-    if (a.off) w4a8_offsets<R>(a, m0, g * kGroup + 8 * h, c);
+    if (og) {
+      for (int r = 0; r < R; ++r) _mm256_store_ps(c[r], oacc[r][h]);
+    } else if (a.off) {
+      w4a8_offsets<R>(a, m0, g * kGroup + 8 * h, c);
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       _mm256_store_ps(out, acc[r][h]);
