@@ -207,6 +207,10 @@ def test_same_seed_same_text_with_or_without_other_requests(proposer, one_thread
     others = [SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True),              # unseeded
               SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=5, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)]
+    # The greedy request too: its rows share the verification with sampled ones (greedy rows reach the
+    # rejection sampler as logits, sampled ones as probabilities).
+    greedy_alone = llm.generate(prompt_token_ids=[PROMPTS[3]], sampling_params=others[2],
+                                use_tqdm=False)[0].outputs[0].token_ids
     for pos in (0, 1, 3):
         prompts = [PROMPTS[2], PROMPTS[1], PROMPTS[3]]
         params = list(others)
@@ -215,6 +219,7 @@ def test_same_seed_same_text_with_or_without_other_requests(proposer, one_thread
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         got = outs[pos].outputs[0]
         assert got.token_ids == alone.token_ids and got.text == alone.text, f"seeded request at position {pos}"
+        assert outs[3 if pos < 3 else 2].outputs[0].token_ids == greedy_alone, f"greedy request, seeded at {pos}"
     assert sum(o.metrics.spec_decode.num_draft_tokens for o in outs) > 0
     # And the seed matters: another seed gives another sample.
     other = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=mine.clone(seed=4321),

@@ -443,16 +443,24 @@ class LLMEngine:
 
     def _target_probs(self, reqs: list[Request], logits: list[torch.Tensor],
                       drafts: list[list[int]]) -> torch.Tensor:
-        """[R, K+1, V] target distributions; row j of request i assumes drafts[i][:j] were accepted."""
+        """[R, K+1, V] target distributions; row j of request i assumes drafts[i][:j] were accepted. A greedy
+        request's rows are its processed logits: the rejection sampler only takes their argmax, which is that
+        of the one-hot distribution, and a one-hot over the vocabulary per row cost several passes over it."""
         kmax = max(len(d) for d in drafts)
-        V = logits[0].shape[-1]
-        out = torch.zeros(len(reqs), kmax + 1, V, device=logits[0].device)
-        for i, (r, lg, d) in enumerate(zip(reqs, logits, drafts)):
+        processed = []
+        for r, lg, d in zip(reqs, logits, drafts):
             # Row j follows the output and d[:j]: logit_bias, min_tokens and penalties per row, then the grammar's
             # mask (structured outputs: the grammar state after d[:j]).
             grammar = (lambda x, r=r, d=d: mask_rows(r, x, d)) if matcher_of(r) is not None else None
             rows = request_logits(lg[:len(d) + 1], r.params, r.output_token_ids, d, self.eos_token_ids, grammar)
-            out[i, :len(rows)] = logits_to_probs(rows, [r.params] * len(rows))
+            processed.append(rows.float() if r.params.greedy else logits_to_probs(rows, [r.params] * len(rows)))
+        if len(processed) == 1:
+            return processed[0][None]
+        V = processed[0].shape[-1]
+        out = torch.empty(len(reqs), kmax + 1, V, device=processed[0].device)
+        for i, rows in enumerate(processed):
+            out[i, :len(rows)] = rows
+            out[i, len(rows):] = 0.0  # positions past a request's drafts are never read
         return out
 
     def _commit(self, r: Request, tokens: list[int], logits: torch.Tensor) -> None:

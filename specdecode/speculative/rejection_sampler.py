@@ -29,7 +29,8 @@ def accept_mask(p_target: torch.Tensor, p_draft: torch.Tensor, u: torch.Tensor) 
 def rejection_sample(target_probs: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: list[int],
                      draft_probs: torch.Tensor | None, greedy: list[bool],
                      generators: list[torch.Generator | None]) -> VerifyResult:
-    """target_probs: [R, K+1, V] after sampling transforms (one-hot rows for greedy requests);
+    """target_probs: [R, K+1, V] after sampling transforms; for greedy requests, any rows whose argmax is the
+    target's token (a one-hot, or the processed logits themselves);
     draft_tokens: [R, K], padded with 0 past num_drafts[r]; draft_probs: [R, K, V] or None for one-hot drafts."""
     R, K1, _ = target_probs.shape
     K = K1 - 1
