@@ -12,16 +12,23 @@ def ngram_lookup(tokens: list[int] | np.ndarray, k: int, n_min: int, n_max: int)
     none if nothing matches."""
     toks = np.asarray(tokens, dtype=np.int64)
     total = len(toks)
+    if total < 2 or k <= 0:
+        return []
+    # Every match ends at a position j < total - 1 holding the context's last token (something must follow
+    # it): one pass finds those, and longer suffixes only narrow them down, instead of comparing every window
+    # of every length.
+    ends = np.flatnonzero(toks[:total - 1] == toks[-1])
     for n in range(min(n_max, total - 1), n_min - 1, -1):
-        suffix = toks[total - n:]
-        # candidate starts i with toks[i:i+n] == suffix and i + n < total (something follows the match)
-        windows = np.lib.stride_tricks.sliding_window_view(toks[:total - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        hits = ends[ends >= n - 1]
+        for d in range(1, n):
+            if not hits.size:
+                break
+            hits = hits[toks[hits - d] == toks[total - 1 - d]]
         if hits.size:
             # The latest match is often close to the end (text that repeats a short cycle), leaving fewer
             # than k tokens after it. The copy then runs on into its own output, as an LZ77 copy does
             # (np.resize repeats what is there cyclically), which keeps the cycle going for all k.
-            start = int(hits[-1]) + n
+            start = int(hits[-1]) + 1
             return np.resize(toks[start:start + k], k).tolist()
     return []
 
