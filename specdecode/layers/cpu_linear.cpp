@@ -998,6 +998,16 @@ static inline void w4a8_store(const W4Args& a, int64_t m, int64_t n0, const floa
 }
 
 #if SPECDECODE_VNNI
+// Block b of the offsets' chains (see w4a8_offsets) of R rows from m0, all 16 channels of the group whose
+// offsets start at og: one offset vector for every row, one fma per row and lane, in block order.
+template <int R>
+static inline SPECDECODE_ALWAYS_INLINE void w4a8_offsets_block(const W4Args& a, int64_t m0, const uint16_t* og,
+                                                               int64_t b, __m512 (&oc)[R]) {
+  const __m512 ob = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(og + b * kGroup)));
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) oc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a.x.noff[(m0 + r) * a.x.ldb + b]), ob, oc[r]);
+}
+
 // y = acc (+ bias) for rows [m0, m0 + R) x C groups from g0: the epilogue of the VNNI and AMX tiles.
 template <int R, int C>
 static inline SPECDECODE_ALWAYS_INLINE void w4a8_store_tile(const W4Args& a, int64_t m0, int64_t g0,
@@ -1012,12 +1022,7 @@ static inline SPECDECODE_ALWAYS_INLINE void w4a8_store_tile(const W4Args& a, int
       __m512 oc[R];
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) oc[r] = _mm512_setzero_ps();
-      for (int64_t b = 0; b < a.nblocks; ++b) {
-        const __m512 ob = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(og + b * kGroup)));
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r)
-          oc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a.x.noff[(m0 + r) * a.x.ldb + b]), ob, oc[r]);
-      }
+      for (int64_t b = 0; b < a.nblocks; ++b) w4a8_offsets_block<R>(a, m0, og, b, oc);
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) _mm512_store_ps(off[r], oc[r]);
     }
@@ -1113,12 +1118,7 @@ static inline void w4a8_one(const W4Args& a, int64_t m0, int64_t g) {
       if ((b & 1) == 0) prefetch(reinterpret_cast<const char*>(sg + (b + kW4PrefetchBlocks) * kGroup));
       if (og && (b & 1) == 0) prefetch(reinterpret_cast<const char*>(og + (b + kW4PrefetchBlocks) * kGroup));
     }
-    if (og) {
-      const __m512 ob = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(og + b * kGroup)));
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r)
-        oacc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a.x.noff[(m0 + r) * a.x.ldb + b]), ob, oacc[r]);
-    }
+    if (og) w4a8_offsets_block<R>(a, m0, og, b, oacc);
     __m512i t[R][4];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
@@ -1155,6 +1155,17 @@ static inline void w4a8_one(const W4Args& a, int64_t m0, int64_t g) {
 }
 
 #elif SPECDECODE_AVX2
+// 8 fp16 values as floats (exact either way): F16C where the CPU has it, else converted one by one.
+static inline __m256 load_half8(const uint16_t* p) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  alignas(32) float f[8];
+  for (int l = 0; l < 8; ++l) f[l] = half_to_float(p[l]);
+  return _mm256_load_ps(f);
+#endif
+}
+
 // R rows x one group of 16 channels, as two halves of 8 held at once. Products of a nibble (<= 15) and an
 // activation byte (|q| <= 127) summed in pairs are at most 3810 in magnitude, so a block's 8 pair sums
 // per lane fit int16 exactly (<= 30480) and are widened once per block.
@@ -1184,13 +1195,7 @@ static inline void w4a8_group(const W4Args& a, int64_t m0, int64_t g) {
     if (og) {
 #pragma GCC unroll 2
       for (int h = 0; h < H; ++h) {
-#if defined(__F16C__)
-        const __m256 ob = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(og + b * kGroup + 8 * h)));
-#else
-        alignas(32) float f[8];
-        for (int l = 0; l < 8; ++l) f[l] = half_to_float(og[b * kGroup + 8 * h + l]);
-        const __m256 ob = _mm256_load_ps(f);
-#endif
+        const __m256 ob = load_half8(og + b * kGroup + 8 * h);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r)
           oacc[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(a.x.noff[(m0 + r) * a.x.ldb + b]), ob, oacc[r][h]);
@@ -1232,13 +1237,7 @@ static inline void w4a8_group(const W4Args& a, int64_t m0, int64_t g) {
     __m256 sc[H];
 #pragma GCC unroll 2
     for (int h = 0; h < H; ++h) {
-#if defined(__F16C__)
-      sc[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + b * kGroup + 8 * h)));
-#else
-      alignas(32) float f[8];
-      for (int l = 0; l < 8; ++l) f[l] = half_to_float(sg[b * kGroup + 8 * h + l]);
-      sc[h] = _mm256_load_ps(f);
-#endif
+      sc[h] = load_half8(sg + b * kGroup + 8 * h);
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
