@@ -130,6 +130,27 @@ def test_new_requests_start_from_the_acceptance_seen_so_far():
     assert Acceptance().rates(c.prior)[0] == p1
 
 
+def test_a_draft_model_that_sat_out_is_tried_again_after_a_few_requests():
+    """Bad drafts teach new requests to leave the draft model off; requests that then never draft with it must
+    not freeze that verdict (a draft model that sat out cannot be probed without a catch-up nobody pays for),
+    so each one fades it towards the neutral guess. Requests that did draft leave it as they taught it."""
+    from types import SimpleNamespace
+
+    policy = AdaptiveK(enabled=True)
+    c = policy.costs
+    for _ in range(100):
+        c.observe_acceptance(Acceptance(), 4, 0)
+    low = Acceptance().rates(c.prior)[0]
+    assert low < 0.05
+    drafted = Acceptance()
+    c.observe_acceptance(drafted, 4, 0)
+    policy.finished(SimpleNamespace(acceptance=drafted, num_output_tokens=50))
+    assert Acceptance().rates(c.prior)[0] < 0.05
+    for _ in range(8):
+        policy.finished(SimpleNamespace(acceptance=Acceptance(), num_output_tokens=50))
+    assert Acceptance().rates(c.prior)[0] > 0.5
+
+
 def test_verify_cost_never_falls_as_rows_grow():
     c = _costs({1: 0.10, 4: 0.12, 6: 0.15, 7: 0.11, 9: 0.20}, 0.0)  # 7 rows measured low by noise
     costs = [c.verify_cost(r) for r in range(1, 12)]
@@ -414,6 +435,28 @@ def test_a_large_batch_with_dear_verify_rows_turns_speculation_off():
     assert plan_step(lookups, c) == [0] * 16
     # Two such requests are still on the flat part: both speculate.
     assert all(plan_step(lookups[:2], c)) and all(plan_step([_draft_options(0.8, 4)] * 2, c))
+
+
+def test_a_lookup_with_per_token_chances_stops_before_its_contested_tokens():
+    """Given each looked-up token's chance of acceptance, the plan drafts the confident run and stops before
+    a contested token, whatever the request's own average lookup rate says."""
+    from types import SimpleNamespace
+
+    policy = AdaptiveK(enabled=True, costs=_cpu_like())
+
+    def request():
+        return SimpleNamespace(all_token_ids=list(range(40)), acceptance=Acceptance(),
+                               lookup_acceptance=Acceptance(), num_output_tokens=10, spec_plan=None)
+
+    confident = [0.97] * 6 + [0.1] * 6
+    [(looked_up, k)] = policy.plan([request()], [100], [12], [0], [confident])
+    assert looked_up and k == 6
+    [(looked_up, k)] = policy.plan([request()], [100], [12], [0], [[0.97] * 12])
+    assert looked_up and k > 6  # past where the other one stopped, to where rows cost more than they earn
+    [(_, k)] = policy.plan([request()], [100], [12], [0], [[0.05] * 12])
+    assert k <= 1  # nothing pays (at most a probe)
+    # Without per-token chances the request's average lookup rates decide: the same depth for both drafts.
+    assert policy.plan([request()], [100], [12], [0]) == policy.plan([request()], [100], [12], [0], [None])
 
 
 def test_requests_draft_together_when_the_draft_pass_is_shared():

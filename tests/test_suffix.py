@@ -74,6 +74,33 @@ def test_cache_keeps_the_latest_requests_and_forgets_the_rest():
     assert sum(len(a) for a in cache.index.where.values()) == 2 * 5  # positions 2.. of each kept sequence
 
 
+def test_each_drafted_token_carries_its_evidence_and_learns_its_rate():
+    """A lookup's tokens carry (share, occurrences, match length); their acceptance chances come from what
+    verifications taught about tokens with such evidence, and only from the request's own context's lookup."""
+    seq = [9, 0, 1, 2, 3, 4, 8, 0, 1, 2, 3, 7, 6, 0, 1, 2, 5, 5, 0, 1, 2, 3, 4, 11, 0, 1, 2]
+    p = SuffixProposer(min_token_prob=0.0, max_spec_factor=8)
+    r = req(seq)
+    found = p.find(r, r.all_token_ids, 3)
+    assert found == [3, 4, 11]
+    drafted, evidence = r.suffix_found
+    assert drafted == found and [e[0] for e in evidence] == [0.75, 0.5, 0.25]
+    assert all(e[1] == 4 and e[2] == 3 for e in evidence)  # 4 occurrences of the 3-token match "0 1 2"
+    before = p.found_rates(r, found)
+    assert before[0] > before[1] > before[2]  # before any verification: the shares' order
+    assert p.found_rates(r, [3, 4]) is None  # not what the last lookup found
+    # Verifications where the contested third token is always rejected, the first two always accepted.
+    for _ in range(30):
+        p.find(r, r.all_token_ids, 3)
+        p.score_found(r, [3, 4, 7])
+        assert r.suffix_found is None  # scored once
+    p.find(r, r.all_token_ids, 3)
+    after = p.found_rates(r, found)
+    assert after[0] > before[0] and after[1] > before[1] and after[2] < 0.05
+    # A lookup extended by drafts (HybridProposer's copies) is not the one scored.
+    p.find(r, r.all_token_ids + [3], 2)
+    assert r.suffix_found[0] == found
+
+
 def test_suffix_config_is_validated():
     from specdecode.config import SpeculativeConfig
 

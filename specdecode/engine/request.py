@@ -57,9 +57,11 @@ class Request:
         self.acceptance = Acceptance()
         self.lookup_acceptance = Acceptance()
         # The proposer's own per-request state: what this step drafted and from where (HybridProposer), the
-        # request's suffix index (SuffixProposer). Kept here so that it goes when the request goes.
+        # request's suffix index and its last lookup with each token's evidence (SuffixProposer). Kept here so
+        # that it goes when the request goes.
         self.proposer_step = None
         self.suffix_index = None
+        self.suffix_found = None
 
     @property
     def prefilling(self) -> bool:

@@ -51,6 +51,12 @@ _REQUEST_DECAY = 0.8   # per verification: a request's counts follow its text as
 _PRIOR_DECAY = 0.98    # the engine-wide counts new requests start from
 _PRIOR_WEIGHT = 2.0    # pseudo-trials of the engine-wide rate in a request's estimate
 _NEUTRAL_WEIGHT = 1.0  # pseudo-trials at 0.7 in the engine-wide estimate
+# Per finished request that the draft model did not draft for: how much of the engine-wide draft-model counts
+# is kept. A draft model that sat out must first catch up on a request's whole context, which a low engine-wide
+# rate never pays for, so without this one bad stretch of requests would switch it off for good (nothing new
+# would be observed). This way the counts fade to the neutral guess over a few requests and a later request
+# tries the draft model again.
+_IDLE_KEEP = 0.5
 _MARGIN_OFF, _MARGIN_DEEPER = 1.10, 1.02
 PROBE_EVERY = 8        # steps at k = 0 before the first probe
 MAX_PROBE_EVERY = 64
@@ -107,6 +113,11 @@ class Acceptance:
         first = (self.first_ok + w * pf) / (self.first_n + w) if self.first_n + w > 0 else pf
         nxt = (self.next_ok + w * pn) / (self.next_n + w) if self.next_n + w > 0 else pn
         return first, nxt
+
+    def fade(self, keep: float) -> None:
+        """Keep ``keep`` of the counts: what they say weighs less against the neutral guess."""
+        self.first_ok, self.first_n, self.next_ok, self.next_n = (keep * self.first_ok, keep * self.first_n,
+                                                                  keep * self.next_ok, keep * self.next_n)
 
     def rates(self, prior: "Acceptance | None" = None) -> tuple[float, float]:
         """(p1, q): the acceptance chance of this step's first draft token, and of each one after it."""
@@ -543,6 +554,17 @@ class _Batch:
         return best_j
 
 
+def _position_options(rates: list[float]) -> list[StepOption]:
+    """Lookup options k = 1..len(rates) from each token's chance of acceptance given the ones before it:
+    token j is emitted as a draft if all of 0..j are accepted."""
+    out, reach, tokens = [], 1.0, 1.0
+    for a in rates:
+        reach *= max(0.0, min(1.0, a))
+        tokens += reach
+        out.append(StepOption(True, len(out) + 1, tokens))
+    return out
+
+
 def _pays_in_batch(opts: list[StepOption], size: int, sc: _StepCosts) -> bool:
     """Whether one of ``opts`` beats plain decoding for a request in a batch of ``size`` plain requests."""
     return _Batch([[PLAIN]] * (size - 1) + [[PLAIN] + opts], sc, [0] * size).best_for(size - 1) != 0
@@ -624,11 +646,13 @@ class AdaptiveK:
         self.costs = copy.deepcopy(_CALIBRATED[key])
         return self.costs
 
-    def plan(self, requests: list, budgets: list[int], lookup_ks: list[int], draft_ks: list[int]
-             ) -> list[tuple[bool, int]]:
+    def plan(self, requests: list, budgets: list[int], lookup_ks: list[int], draft_ks: list[int],
+             lookup_rates: list[list[float] | None] | None = None) -> list[tuple[bool, int]]:
         """Per request, (looked_up, k) for this step: request i may look up at most lookup_ks[i] tokens (what
         its lookup found) or draft at most draft_ks[i] with the draft model; ``budgets`` are the engine's (what
-        each may still emit). Without adaptive k: a lookup found is a lookup used, else the draft model's cap.
+        each may still emit). ``lookup_rates[i]``, where the lookup source knows them: each looked-up token's
+        chance of acceptance (the tokens before it accepted), instead of the request's average lookup rates.
+        Without adaptive k: a lookup found is a lookup used, else the draft model's cap.
 
         With it, plan_step weighs every request's options together (the step's whole target pass and the
         batch's draft passes), then each request that ends up at k = 0 for a kind it could use keeps that
@@ -646,14 +670,17 @@ class AdaptiveK:
         self._peak = max(float(n), self._peak * _PEAK_DECAY)
         peak = max(int(self._peak + 0.5), self.expected_batch)
         options, starts = [], []
-        for r, budget, lk, dk in zip(requests, budgets, lookup_ks, draft_ks):
+        for i, (r, budget, lk, dk) in enumerate(zip(requests, budgets, lookup_ks, draft_ks)):
             drafts = self._options(r, False, dk, budget, sc)
             if drafts and peak > n and drafts[0].once and not _pays_in_batch(drafts, peak, sc):
                 # The draft model would have to catch up first, and that one-off only pays back over many
                 # steps; if the batch is about to grow back to where drafting no longer pays (requests
                 # still being prefilled, or a pause between requests), those steps never come.
                 drafts = []
-            opts = [PLAIN] + self._options(r, True, lk, budget, sc) + drafts
+            positions = lookup_rates[i] if lookup_rates is not None else None
+            looked_up = (_position_options(positions[:lk]) if positions and lk
+                         else self._options(r, True, lk, budget, sc))
+            opts = [PLAIN] + looked_up + drafts
             options.append(opts)
             last = getattr(r, "spec_plan", None)
             starts.append(next((j for j, o in enumerate(opts) if last == (o.lookup, o.k)), 0))
@@ -764,6 +791,9 @@ class AdaptiveK:
         if getattr(r, "spec_finished", False):
             return
         r.spec_finished = True
+        mine = getattr(r, "acceptance", None)
+        if mine is not None and not (mine.first_n or mine.next_n):
+            self.costs.prior.fade(_IDLE_KEEP)  # see _IDLE_KEEP
         keep = _LEN_WINDOW - 1
         self._lengths = self._lengths[-keep:] + [getattr(r, "num_output_tokens", 0)]
         self._capped = self._capped[-keep:] + [getattr(r, "finish_reason", None) == "length"]

@@ -67,7 +67,8 @@ class HybridProposer(Proposer):
         policy = self.policy
         found = [self.lookup.find(r, r.all_token_ids, cap) if cap else [] for r, cap in zip(requests, lookup_caps)]
         # One plan for the batch: per request a lookup, the draft model or neither (see AdaptiveK.plan).
-        plan = policy.plan(requests, budgets, [len(f) for f in found], caps)
+        plan = policy.plan(requests, budgets, [len(f) for f in found], caps,
+                           [self.lookup.found_rates(r, f) for r, f in zip(requests, found)])
         use, ks = [], []
         for r, f, (looked_up, k) in zip(requests, found, plan):
             use.append(f[:k] if looked_up else [])
@@ -100,6 +101,7 @@ class HybridProposer(Proposer):
     def observe(self, request, drafted: list[int], accepted: int, emitted: list[int]) -> None:
         step = getattr(request, "proposer_step", None) or _Step()
         request.proposer_step = None
+        self.lookup.score_found(request, emitted)
         self._observe_step(request, drafted, accepted, step.looked_up, step.found or [], emitted,
                            step.copied_from)
 

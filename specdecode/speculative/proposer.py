@@ -87,8 +87,19 @@ class Proposer:
         its cap, cut to the depth the policy's plan for the batch gives it."""
         caps = self.caps(budgets)
         found = [self.find(r, r.all_token_ids, cap) if cap else [] for r, cap in zip(requests, caps)]
-        plan = self.policy.plan(requests, budgets, [len(f) for f in found], [0] * len(requests))
+        plan = self.policy.plan(requests, budgets, [len(f) for f in found], [0] * len(requests),
+                                [self.found_rates(r, f) for r, f in zip(requests, found)])
         return Proposal([f[:k] for f, (_, k) in zip(found, plan)])
+
+    # ---- a lookup source's calls (``find`` and these two), for itself and for HybridProposer ----
+    def found_rates(self, request, found: list[int]) -> list[float] | None:
+        """For the lookup ``find`` just returned for request's context: each token's chance of acceptance,
+        given every token before it was accepted. None: the policy uses the request's own lookup rates."""
+        return None
+
+    def score_found(self, request, emitted: list[int]) -> None:
+        """The step's verification emitted ``emitted``: what this lookup source learns from it about its last
+        lookup for request, whether that lookup was drafted or not."""
 
     @property
     def draft_runner(self):

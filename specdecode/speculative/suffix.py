@@ -8,6 +8,12 @@ frequent continuation for as long as the share of occurrences that agree with it
 probability) stays at or above ``min_token_prob``. A draft is at most ``max_spec_factor`` times the match
 length long, and match plus draft at most ``max_tree_depth`` tokens (vLLM's meaning of the four options).
 
+With adaptive k, how deep a draft goes is decided per token: every drafted token carries its evidence (its
+share, whether more than one occurrence backs it, whether the match is long), and the engine-wide acceptance
+of tokens with that evidence, learned from every verification, gives each position's chance. A draft thus runs
+long where the cache agrees and stops early at a contested token, instead of every position counting at the
+request's average rate.
+
 Occurrences are found through an index of every position by the two tokens before it (a suffix tree cut at
 depth two, the rest compared in place), which keeps memory at a few words per cached token. Among the
 match lengths found, the one whose draft has the highest expected number of accepted tokens (the sum of the
@@ -15,6 +21,7 @@ token probabilities) is used: a long match is more reliable, a shorter one may h
 """
 from __future__ import annotations
 
+import bisect
 from array import array
 from collections import OrderedDict
 
@@ -25,6 +32,15 @@ from specdecode.speculative.proposer import Proposal, Proposer
 MAX_OCCURRENCES = 64
 # Match lengths tried per lookup (the longest ones, plus the one that leaves room for a full draft).
 MAX_MATCH_LENGTHS = 4
+
+
+# Evidence classes of a drafted token: its share (bands below), whether several occurrences back it, and
+# whether its match is long. Shares of a few tenths are mostly rejected, full shares of long matches mostly
+# accepted; the rates in between are learned.
+_SHARE_BANDS = (0.3, 0.6, 0.9)
+_LONG_MATCH = 8
+_EVIDENCE_DECAY = 0.98   # per observation of a class: it follows the last fifty or so tokens of its kind
+_EVIDENCE_PRIOR = 4.0    # pseudo-trials at the token's share (times 0.9) before any are seen
 
 
 def _key(a: int, b: int) -> int:
@@ -58,6 +74,26 @@ class _Index:
                 self.where[k] = kept
             else:
                 del self.where[k]
+
+
+class EvidenceRates:
+    """Acceptance of drafted tokens by evidence class, learned from verifications, decayed per class."""
+
+    def __init__(self):
+        self.counts: dict[tuple, tuple[float, float]] = {}  # class -> (accepted, tried)
+
+    @staticmethod
+    def kind(share: float, occurrences: int, match: int) -> tuple[int, bool, bool]:
+        return bisect.bisect_right(_SHARE_BANDS, share), occurrences > 1, match >= _LONG_MATCH
+
+    def rate(self, evidence: tuple[float, int, int]) -> float:
+        ok, n = self.counts.get(self.kind(*evidence), (0.0, 0.0))
+        return (ok + _EVIDENCE_PRIOR * 0.9 * evidence[0]) / (n + _EVIDENCE_PRIOR)
+
+    def observe(self, evidence: tuple[float, int, int], accepted: bool) -> None:
+        k = self.kind(*evidence)
+        ok, n = self.counts.get(k, (0.0, 0.0))
+        self.counts[k] = (_EVIDENCE_DECAY * ok + accepted, _EVIDENCE_DECAY * n + 1.0)
 
 
 class SuffixCache:
@@ -126,25 +162,56 @@ class SuffixProposer(Proposer):
         self.min_prob = min_token_prob
         self.min_match = max(2, min_match)
         self.cache = cache if cache is not None else SuffixCache(max_cached_requests, max_tree_depth)
+        self.evidence = EvidenceRates()
 
     # ---- the proposer calls ----
     def propose(self, requests: list, budgets: list[int]) -> Proposal:
         return self.propose_lookups(requests, budgets)
 
     def observe(self, request, drafted: list[int], accepted: int, emitted: list[int]) -> None:
+        self.score_found(request, emitted)
         self.policy.learn(request, drafted, accepted, True, [], emitted, None)
 
     def finish(self, request) -> None:
         super().finish(request)
         self.cache.add(request.prompt_token_ids, request.output_token_ids)
-        request.suffix_index = None
+        request.suffix_index = request.suffix_found = None
 
     # ---- lookup ----
     def find(self, request, tokens: list[int], k: int) -> list[int]:
-        """Up to k draft tokens after ``tokens`` (the request's context, possibly extended by drafts)."""
+        """Up to k draft tokens after ``tokens`` (the request's context, possibly extended by drafts). A lookup
+        from the request's own context (not one extended by drafts) is kept, with each token's evidence, for
+        found_rates and score_found."""
+        draft, evidence = self._lookup(request, tokens, k)
+        if tokens is request.all_token_ids:
+            request.suffix_found = (draft, evidence)
+        return draft
+
+    def found_rates(self, request, found: list[int]) -> list[float] | None:
+        """Each token's chance of acceptance (the tokens before it accepted), by its evidence class."""
+        last = getattr(request, "suffix_found", None)
+        if not found or last is None or last[0] != found:
+            return None
+        return [self.evidence.rate(e) for e in last[1]]
+
+    def score_found(self, request, emitted: list[int]) -> None:
+        """Teach the evidence rates what the target emitted after the step's lookup, drafted or not: a
+        token counts while every one before it matched (for a one-hot draft, matching the emitted token is
+        the acceptance test)."""
+        last = getattr(request, "suffix_found", None)
+        request.suffix_found = None
+        if not last:
+            return
+        for tok, ev, out in zip(last[0], last[1], emitted):
+            self.evidence.observe(ev, tok == out)
+            if tok != out:
+                break
+
+    def _lookup(self, request, tokens: list[int], k: int) -> tuple[list[int], list[tuple[float, int, int]]]:
+        """``find``'s draft, with each token's evidence: (share, occurrences behind the draft, match length)."""
         n = len(tokens)
         if k <= 0 or n < 2:
-            return []
+            return [], []
         local = request.suffix_index
         if local is None:
             local = request.suffix_index = _LocalIndex()
@@ -159,28 +226,29 @@ class SuffixProposer(Proposer):
             if m >= self.min_match and p < len(seq):
                 found.append((m, seq, p))
         if not found:
-            return []
+            return [], []
         lengths = sorted({m for m, _, _ in found}, reverse=True)[:MAX_MATCH_LENGTHS]
         roomy = min(lengths[0], depth - k)  # the longest match that leaves room for k draft tokens
         if roomy >= self.min_match and roomy not in lengths:
             lengths.append(roomy)
-        best, best_score = [], 0.0
+        best, best_shares, best_score, best_m, best_total = [], [], 0.0, 0, 0
         for m in sorted(lengths, reverse=True):
             room = min(k, int(self.spec_factor * m), depth - m)
             if room <= len(best):
                 continue
-            draft, score = self._follow([(s, p) for mm, s, p in found if mm >= m], room)
-            if score > best_score:
-                best, best_score = draft, score
-        return best
+            occ = [(s, p) for mm, s, p in found if mm >= m]
+            draft, shares = self._follow(occ, room)
+            if sum(shares) > best_score:
+                best, best_shares, best_score, best_m, best_total = draft, shares, sum(shares), m, len(occ)
+        return best, [(sh, best_total, best_m) for sh in best_shares]
 
-    def _follow(self, occ: list, room: int) -> tuple[list[int], float]:
+    def _follow(self, occ: list, room: int) -> tuple[list[int], list[float]]:
         """The most frequent continuation of the occurrences ``occ`` (latest first), token by token, while
-        the share of occurrences that agree with it stays >= min_token_prob; and the sum of those shares
-        (the expected number of accepted tokens)."""
+        the share of occurrences that agree with it stays >= min_token_prob; and those shares (their sum is
+        the expected number of accepted tokens)."""
         total = len(occ)
         out: list[int] = []
-        score = 0.0
+        shares: list[float] = []
         live = occ
         for j in range(room):
             counts: dict[int, int] = {}
@@ -195,6 +263,6 @@ class SuffixProposer(Proposer):
             if prob < self.min_prob:
                 break
             out.append(int(tok))
-            score += prob
+            shares.append(prob)
             live = [(seq, p) for seq, p in live if p + j < len(seq) and seq[p + j] == tok]
-        return out, score
+        return out, shares
