@@ -51,12 +51,6 @@ _REQUEST_DECAY = 0.8   # per verification: a request's counts follow its text as
 _PRIOR_DECAY = 0.98    # the engine-wide counts new requests start from
 _PRIOR_WEIGHT = 2.0    # pseudo-trials of the engine-wide rate in a request's estimate
 _NEUTRAL_WEIGHT = 1.0  # pseudo-trials at 0.7 in the engine-wide estimate
-# Per finished request that the draft model did not draft for: how much of the engine-wide draft-model counts
-# is kept. A draft model that sat out must first catch up on a request's whole context, which a low engine-wide
-# rate never pays for, so without this one bad stretch of requests would switch it off for good (nothing new
-# would be observed). This way the counts fade to the neutral guess over a few requests and a later request
-# tries the draft model again.
-_IDLE_KEEP = 0.5
 _MARGIN_OFF, _MARGIN_DEEPER = 1.10, 1.02
 PROBE_EVERY = 8        # steps at k = 0 before the first probe
 MAX_PROBE_EVERY = 64
@@ -113,11 +107,6 @@ class Acceptance:
         first = (self.first_ok + w * pf) / (self.first_n + w) if self.first_n + w > 0 else pf
         nxt = (self.next_ok + w * pn) / (self.next_n + w) if self.next_n + w > 0 else pn
         return first, nxt
-
-    def fade(self, keep: float) -> None:
-        """Keep ``keep`` of the counts: what they say weighs less against the neutral guess."""
-        self.first_ok, self.first_n, self.next_ok, self.next_n = (keep * self.first_ok, keep * self.first_n,
-                                                                  keep * self.next_ok, keep * self.next_n)
 
     def rates(self, prior: "Acceptance | None" = None) -> tuple[float, float]:
         """(p1, q): the acceptance chance of this step's first draft token, and of each one after it."""
@@ -791,9 +780,6 @@ class AdaptiveK:
         if getattr(r, "spec_finished", False):
             return
         r.spec_finished = True
-        mine = getattr(r, "acceptance", None)
-        if mine is not None and not (mine.first_n or mine.next_n):
-            self.costs.prior.fade(_IDLE_KEEP)  # see _IDLE_KEEP
         keep = _LEN_WINDOW - 1
         self._lengths = self._lengths[-keep:] + [getattr(r, "num_output_tokens", 0)]
         self._capped = self._capped[-keep:] + [getattr(r, "finish_reason", None) == "length"]
