@@ -130,6 +130,30 @@ def test_new_requests_start_from_the_acceptance_seen_so_far():
     assert Acceptance().rates(c.prior)[0] == p1
 
 
+def test_a_draft_model_that_sat_out_is_tried_again_after_a_few_requests():
+    """Bad drafts teach new requests to leave the draft model off; steps that then do not draft with it must
+    not freeze that verdict (a draft model that sat out cannot be probed without a catch-up nobody pays for),
+    so each one fades it towards the neutral guess: over a few long answers, not within one."""
+    from types import SimpleNamespace
+
+    policy = AdaptiveK(enabled=True)
+    c = policy.costs
+    for _ in range(100):
+        c.observe_acceptance(Acceptance(), 4, 0)
+    assert Acceptance().rates(c.prior)[0] < 0.05
+
+    def steps(n: int, looked_up: bool) -> None:
+        r = SimpleNamespace(acceptance=Acceptance(), lookup_acceptance=Acceptance())
+        for _ in range(n):
+            policy.learn(r, [7] if looked_up else [], int(looked_up), looked_up, [], [7], None)
+
+    steps(20, looked_up=False)
+    steps(20, looked_up=True)
+    assert Acceptance().rates(c.prior)[0] < 0.1  # one answer's worth of plain and lookup steps: still off
+    steps(500, looked_up=False)
+    assert Acceptance().rates(c.prior)[0] > 0.5
+
+
 def test_verify_cost_never_falls_as_rows_grow():
     c = _costs({1: 0.10, 4: 0.12, 6: 0.15, 7: 0.11, 9: 0.20}, 0.0)  # 7 rows measured low by noise
     costs = [c.verify_cost(r) for r in range(1, 12)]

@@ -52,6 +52,12 @@ _PRIOR_DECAY = 0.98    # the engine-wide counts new requests start from
 _PRIOR_WEIGHT = 2.0    # pseudo-trials of the engine-wide rate in a request's estimate
 _NEUTRAL_WEIGHT = 1.0  # pseudo-trials at 0.7 in the engine-wide estimate
 _MARGIN_OFF, _MARGIN_DEEPER = 1.10, 1.02
+# Per request step in which the draft model did not draft: how much of the engine-wide draft-model counts is
+# kept. A draft model that sat out must first catch up on a request's whole context, which a low engine-wide
+# rate never pays for, so without this one bad stretch of requests would switch it off for good (nothing new
+# would be observed). This way the counts fade to the neutral guess over a few hundred such steps (a few long
+# answers, many more short ones) and a later request tries the draft model again.
+_IDLE_KEEP = 0.99
 PROBE_EVERY = 8        # steps at k = 0 before the first probe
 MAX_PROBE_EVERY = 64
 _LEN_PRIOR, _LEN_PRIOR_WEIGHT = 128.0, 2.0  # output tokens a request is taken to run before any has finished
@@ -107,6 +113,11 @@ class Acceptance:
         first = (self.first_ok + w * pf) / (self.first_n + w) if self.first_n + w > 0 else pf
         nxt = (self.next_ok + w * pn) / (self.next_n + w) if self.next_n + w > 0 else pn
         return first, nxt
+
+    def fade(self, keep: float) -> None:
+        """Keep ``keep`` of the counts: what they say weighs less against the neutral guess."""
+        self.first_ok, self.first_n, self.next_ok, self.next_n = (keep * self.first_ok, keep * self.first_n,
+                                                                  keep * self.next_ok, keep * self.next_n)
 
     def rates(self, prior: "Acceptance | None" = None) -> tuple[float, float]:
         """(p1, q): the acceptance chance of this step's first draft token, and of each one after it."""
@@ -811,6 +822,8 @@ class AdaptiveK:
             return
         used, other = (r.lookup_acceptance, r.acceptance) if looked_up else (r.acceptance, r.lookup_acceptance)
         costs.observe_acceptance(used, len(drafted), accepted, lookup=looked_up)
+        if looked_up or not drafted:
+            costs.prior.fade(_IDLE_KEEP)  # the draft model sat out this step (see _IDLE_KEEP)
         if found and not looked_up:
             # An unused lookup is scored against the tokens the target emitted. For a one-hot draft that is
             # exactly the acceptance test (greedy: the same argmax; sampled: accepted with probability p(token),
