@@ -14,7 +14,8 @@ from helpers_spec import GREEDY, PROMPTS, gen_ids, llm_cache, noisy_drafts, one_
 def req(tokens: list[int], prompt_len: int | None = None) -> SimpleNamespace:
     n = len(tokens) if prompt_len is None else prompt_len
     return SimpleNamespace(all_token_ids=list(tokens), prompt_token_ids=list(tokens[:n]),
-                           output_token_ids=list(tokens[n:]), suffix_index=None)
+                           output_token_ids=list(tokens[n:]), suffix_index=None,
+                           suffix_found=None)
 
 
 def test_own_context_continues_the_latest_match():

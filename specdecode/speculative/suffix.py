@@ -189,7 +189,7 @@ class SuffixProposer(Proposer):
 
     def found_rates(self, request, found: list[int]) -> list[float] | None:
         """Each token's chance of acceptance (the tokens before it accepted), by its evidence class."""
-        last = getattr(request, "suffix_found", None)
+        last = request.suffix_found
         if not found or last is None or last[0] != found:
             return None
         return [self.evidence.rate(e) for e in last[1]]
@@ -198,7 +198,7 @@ class SuffixProposer(Proposer):
         """Teach the evidence rates what the target emitted after the step's lookup, drafted or not: a
         token counts while every one before it matched (for a one-hot draft, matching the emitted token is
         the acceptance test)."""
-        last = getattr(request, "suffix_found", None)
+        last = request.suffix_found
         request.suffix_found = None
         if not last:
             return
@@ -238,8 +238,9 @@ class SuffixProposer(Proposer):
                 continue
             occ = [(s, p) for mm, s, p in found if mm >= m]
             draft, shares = self._follow(occ, room)
-            if sum(shares) > best_score:
-                best, best_shares, best_score, best_m, best_total = draft, shares, sum(shares), m, len(occ)
+            score = sum(shares)
+            if score > best_score:
+                best, best_shares, best_score, best_m, best_total = draft, shares, score, m, len(occ)
         return best, [(sh, best_total, best_m) for sh in best_shares]
 
     def _follow(self, occ: list, room: int) -> tuple[list[int], list[float]]:
