@@ -110,6 +110,28 @@ def test_cache_hits_and_chunks_give_bitwise_the_same_logprobs(fam, tiny_models, 
     assert pool.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_prompts_arriving_together_prefill_in_one_pass_and_compute_their_common_head_once(fam, tiny_models,
+                                                                                          one_thread):
+    """Prompts that arrive together are prefilled in one target pass, each as if alone (bitwise the same
+    logprobs); one whose next block another prompt of the pass computes from the same tokens waits a step and
+    takes that block from the cache instead."""
+    prompts = _prompts(4, shared=70, n=4, tail=9)
+    ref_llm = _llm(tiny_models[fam], enable_prefix_caching=False, speculative_config={"method": "none"})
+    ref = [_run(ref_llm, [p], logprobs=3)[0] for p in prompts]
+    llm = _llm(tiny_models[fam], max_num_seqs=4, max_num_batched_tokens=4096, speculative_config={"method": "none"})
+    target = llm.llm_engine.target
+    passes: list[int] = []
+    prefill_many = target.prefill_many
+    target.prefill_many = lambda seqs: passes.append(len(seqs)) or prefill_many(seqs)
+    assert _run(llm, prompts, logprobs=3) == ref
+    assert max(passes) == 3, f"the three prompts that waited for the shared head share a pass: {passes}"
+    pool = llm.llm_engine.pool
+    assert pool.hits == 3 * 64, "the 70-token head (4 whole blocks) is computed once and taken by the other three"
+    pool.check_consistency()
+    assert pool.num_used_blocks == 0
+
+
 @pytest.mark.parametrize("spec", [{"method": "none"}, {"method": "ngram", "num_speculative_tokens": 3},
                                   {"method": "draft_model", "model": "DRAFT", "num_speculative_tokens": 4}])
 @pytest.mark.parametrize("quantization", ["none", "w8a8", "w4a8"])

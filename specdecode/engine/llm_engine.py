@@ -254,17 +254,10 @@ class LLMEngine:
             self._isolated(self._decode, decode)
             rows = self._rows
             touched.update((r.request_id, None) for r in decode)
-        budget = self.max_num_batched_tokens - rows
-        first = True  # the first prompt in line always gets a chunk, so prefill progresses
-        for r in [r for r in self.scheduler.running if r.prefilling and not r.finished]:
-            if r.status is not Status.RUNNING:
-                continue  # preempted by an older request's chunk
-            n = self._chunk(r, budget, first)
-            if n == 0 or not self._reserve(r, r.num_computed + n):
-                break
-            self._isolated(lambda rs, n=n: self._prefill(rs[0], n), [r])
-            budget, first = budget - n, False
-            touched[r.request_id] = None
+        chunks = self._prefill_chunks(self.max_num_batched_tokens - rows)
+        if chunks:
+            self._isolated(lambda rs: self._prefill(rs, chunks), list(chunks))
+            touched.update((r.request_id, None) for r in chunks)
         for r in [r for r in self.scheduler.running if r.finished]:
             self._release(r)
         return [self._output(rid) for rid in touched]
@@ -273,8 +266,6 @@ class LLMEngine:
         """How many prompt tokens of ``r`` to prefill now: what the budget allows, ending on a block boundary
         unless it is the prompt's end (so that chunks never change a position's result, see
         layers.attention); at least one block for the first prompt in line, so prefill always progresses."""
-        if not r.prefix_checked:
-            self._use_prefix_cache(r)
         left = r.prefill_end - r.num_computed
         n = min(left, budget)
         if n < left:
@@ -283,17 +274,55 @@ class LLMEngine:
             n = min(left, BLOCK_SIZE - r.num_computed % BLOCK_SIZE)
         return max(n, 0)
 
+    def _prefill_chunks(self, budget: int) -> dict[Request, int]:
+        """The prompt chunks this step prefills (in one pass), oldest request first, within ``budget`` tokens.
+        A request whose next block another chunk of this step computes from the same tokens waits a step: it
+        then finds that block in the prefix cache instead of computing it twice (a shared system prompt)."""
+        chunks: dict[Request, int] = {}
+        for r in [r for r in self.scheduler.running if r.prefilling and not r.finished]:
+            if r.status is not Status.RUNNING:
+                continue  # preempted by an older request's chunk
+            self._use_prefix_cache(r)
+            if chunks and self._computed_by(chunks, r):
+                continue
+            n = self._chunk(r, budget, not chunks)
+            if n == 0 or not self._reserve(r, r.num_computed + n):
+                break
+            chunks[r] = n
+            budget -= n
+        return chunks
+
+    @staticmethod
+    def _computed_by(chunks: dict[Request, int], r: Request) -> bool:
+        """Whether one of ``chunks`` computes r's next block, from the same tokens before and in it."""
+        start = r.num_computed
+        end = min(start + BLOCK_SIZE, r.prefill_end)
+        if end - start < BLOCK_SIZE:
+            return False  # a partial block is never shared
+        head = r.all_token_ids[:end]
+        return any(o.num_computed <= start and start + BLOCK_SIZE <= o.num_computed + n
+                   and o.all_token_ids[:end] == head for o, n in chunks.items())
+
     def _use_prefix_cache(self, r: Request) -> None:
         """Start the request's prefill after the longest prefix the cache holds: whole blocks, and at least its
-        last prompt token left to compute, whose logits give the first output token."""
-        r.prefix_checked = True
+        last prompt token left to compute, whose logits give the first output token. Later, while every block
+        the request holds came from the cache, take the blocks the cache has gained since (another request's
+        chunk computed them from the same tokens)."""
         limit = r.prefill_end if r.resumed else r.prefill_end - 1
+        if r.prefix_checked and (r.num_computed % BLOCK_SIZE or r.num_computed + BLOCK_SIZE > limit):
+            return
         blocks, draft_blocks = self.pool.match(r.all_token_ids, limit)
+        if r.prefix_checked:
+            have = r.num_computed // BLOCK_SIZE
+            if len(blocks) <= have or self.pool.blocks(r.slot)[:have] != blocks[:have]:
+                return
+        first, r.prefix_checked = not r.prefix_checked, True
+        gained = len(blocks) * BLOCK_SIZE - (0 if first else r.num_computed)
         self.pool.attach(r.slot, blocks)
         r.num_computed = len(blocks) * BLOCK_SIZE
         r.draft_computed = draft_blocks * BLOCK_SIZE if self.draft_runner is not None else 0
         if not r.resumed:
-            self.pool.count_query(r.prefill_end, r.num_computed)
+            self.pool.count_query(r.prefill_end if first else 0, gained)
             r.metrics.num_cached_tokens = r.num_computed
 
     def _make_room(self, reqs: list[Request]) -> list[Request]:
@@ -376,21 +405,24 @@ class LLMEngine:
             del self._parents[rid]
         return out
 
-    def _prefill(self, r: Request, n: int) -> None:
-        """Prefill the next ``n`` prompt tokens; at the prompt's end, sample the first output token."""
-        start = r.num_computed
-        logits = self.target.prefill(r.slot, r.all_token_ids[start:start + n], start)
-        r.num_computed = start + n
-        self.pool.register(r.slot, r.all_token_ids, r.num_computed, r.draft_computed)
-        if r.prefilling or r.resumed:
-            return
-        result = rejection_sample(self._target_probs([r], [logits[None]], [[]]),
-                                  torch.zeros(1, 0, dtype=torch.long, device=logits.device), [0], None,
-                                  [r.params.greedy], [r.generator])
-        r.metrics.first_token_time = time.time()
-        if self.proposer is not None:
-            self.proposer.prefill(r)
-        self._commit(r, result.tokens[0], logits[None])
+    def _prefill(self, reqs: list[Request], chunks: dict[Request, int]) -> None:
+        """Prefill the next ``chunks[r]`` prompt tokens of each request in one target pass; at a prompt's end,
+        sample its first output token."""
+        starts = [r.num_computed for r in reqs]
+        logits = self.target.prefill_many([(r.slot, s, r.all_token_ids[s:s + chunks[r]])
+                                           for r, s in zip(reqs, starts)])
+        for r, start, lg in zip(reqs, starts, logits):
+            r.num_computed = start + chunks[r]
+            self.pool.register(r.slot, r.all_token_ids, r.num_computed, r.draft_computed)
+            if r.prefilling or r.resumed:
+                continue
+            result = rejection_sample(self._target_probs([r], [lg[None]], [[]]),
+                                      torch.zeros(1, 0, dtype=torch.long, device=lg.device), [0], None,
+                                      [r.params.greedy], [r.generator])
+            r.metrics.first_token_time = time.time()
+            if self.proposer is not None:
+                self.proposer.prefill(r)
+            self._commit(r, result.tokens[0], lg[None])
 
     def _budgets(self, reqs: list[Request]) -> list[int]:
         """The most tokens each request may draft this step: what it may still emit, less the target's own

@@ -39,12 +39,25 @@ class ModelRunner:
 
     def prefill(self, slot: int, token_ids: list[int], start: int = 0) -> torch.Tensor:
         """Computes KV for token_ids at positions start.. and returns the last token's logits [V]."""
-        n = len(token_ids)
-        self.kv_cache.ensure(slot, start + n)
-        pos = list(range(start, start + n))
-        b = ForwardBatch(self._tensor(token_ids), self._tensor(pos), self._tensor([slot] * n), [slot] * n, pos,
-                         prefill=True, logits_rows=self._tensor([n - 1]))
-        return self.model(b)[0]
+        return self.prefill_many([(slot, start, token_ids)])[0]
+
+    def prefill_many(self, seqs: list[tuple[int, int, list[int]]]) -> list[torch.Tensor]:
+        """Prompt chunks of several slots in one pass, seqs: (slot, start position, tokens). Returns each
+        chunk's last-token logits [V]. Each chunk's keys, values and logits are those of prefilling it alone:
+        the linears are row-invariant and attention runs per chunk (layers.attention)."""
+        ids, pos, slots, last = [], [], [], []
+        for slot, start, toks in seqs:
+            if not toks:
+                raise ValueError("prefill_many: an empty chunk")
+            self.kv_cache.ensure(slot, start + len(toks))
+            ids += toks
+            pos += range(start, start + len(toks))
+            slots += [slot] * len(toks)
+            last.append(len(ids) - 1)
+        b = ForwardBatch(self._tensor(ids), self._tensor(pos), self._tensor(slots), slots, pos,
+                         prefill=True, logits_rows=self._tensor(last))
+        logits = self.model(b)
+        return [logits[i] for i in range(len(seqs))]
 
     def forward_rows(self, seqs: list[tuple[int, int, list[int]]], all_logits: bool) -> list[torch.Tensor]:
         """seqs: (slot, start position, new tokens). Row-invariant path.

@@ -2,8 +2,9 @@
 
 Tokens arrive flattened: token i belongs to cache slot ``slots[i]`` at position ``positions[i]``.
 
-Prefill (a stretch of one prompt) runs one SDPA call per block of ``BLOCK_SIZE`` positions, aligned at
-multiples of it: the queries of the block against the keys up to the block's end. A position's output then
+Prefill (a stretch of one prompt, or stretches of several prompts in one pass) runs one SDPA call per block
+of ``BLOCK_SIZE`` positions of each stretch, aligned at multiples of it: the queries of the block against the
+keys up to the block's end. A position's output then
 depends only on its own block's call, never on where a chunk of the prompt started or ended, so a prompt
 prefilled whole, in chunks, or after a prefix taken from the cache gets bitwise the same keys, values and
 logits (engine.block_pool shares prefill-computed blocks on this ground).
@@ -33,7 +34,7 @@ class ForwardBatch:
     slots: torch.Tensor          # [N] cache slot of each token
     slot_list: list[int]         # the same, as Python ints (no device syncs in the per-token loop)
     pos_list: list[int]
-    prefill: bool                # one sequence, all of its new tokens causal among themselves
+    prefill: bool                # prompt stretches (one per slot), each causal among its own tokens
     logits_rows: torch.Tensor    # rows whose logits the caller wants
     _runs: list[tuple[int, int, int, int]] | None = field(default=None, repr=False)
     _kv_loc: tuple[object, tuple[torch.Tensor, torch.Tensor]] | None = field(default=None, repr=False)
@@ -77,9 +78,10 @@ class Attention(nn.Module):
         n, rep = q.shape[0], self.n_heads // self.n_kv
         out = torch.empty(n, self.n_kv, rep, self.head_dim, dtype=q.dtype, device=q.device)
         if b.prefill:
-            slot, start = b.slot_list[0], b.pos_list[0]
-            keys, vals = cache.read(layer, slot, start + n, q.dtype)
-            self._prefill_blocks(q.view(n, self.n_kv, rep, self.head_dim), keys[None], vals[None], start, out)
+            qp = q.view(n, self.n_kv, rep, self.head_dim)
+            for slot, start, i0, i1 in b.runs():
+                keys, vals = cache.read(layer, slot, start + i1 - i0, q.dtype)
+                self._prefill_blocks(qp[i0:i1], keys[None], vals[None], start, out[i0:i1])
             return out.view(n, -1)
         # The rep query heads that share a KV head act as rep query rows: no K/V copy for GQA. Inputs are
         # 4-D so that SDPA can take its fused kernel (3-D inputs fall back to the slower unfused path).
