@@ -143,3 +143,31 @@ def test_stack_rejects_bad_input(tiny_models):
     finally:
         table[1, 2] = saved
     assert kernels.kernel_available()
+
+
+def test_prompt_rows_take_the_stack_so_any_split_and_decoded_blocks_are_bitwise_prefill(tmp_path):
+    """On the default target's real layer sizes (its first 3 layers, sliced), a prompt prefilled whole, in chunks
+    that start inside a block, several prompts in one pass, or with its last tokens fed as decode rows: bitwise
+    the same logits and KV cache. So a prefix-cache hit on blocks that decoding wrote (a chat's previous answer)
+    or on part of a block gives what a cold prefill gives."""
+    from test_gguf_loader import draft_path, slice_gguf  # noqa: F401  (draft_path: skips without the models)
+
+    from specdecode.models.default_models import default_model_path
+
+    path = slice_gguf(default_model_path("target"), tmp_path / "target.gguf", layers=3, vocab=2048)
+    runner = ModelRunner(load_model(path, "auto", "cpu", 256, "mixed", packed_cache=False), 4, 256, "cpu")
+    assert runner.model._layer_stack() is not None
+    ids, other = _prompt(150, 7), _prompt(40, 8)
+    whole = runner.prefill(0, ids)
+    runner.prefill(1, ids[:37])
+    runner.prefill(1, ids[37:146], 37)
+    split = runner.prefill_many([(3, 0, other), (1, 146, ids[146:])])[1]
+    runner.prefill(2, ids[:149])
+    decoded = runner.forward_rows([(2, 149, ids[149:])], all_logits=False)[0][0]
+    assert torch.equal(whole, split) and torch.equal(whole, decoded)
+    cache = runner.kv_cache
+    for layer in range(cache.num_layers):
+        ref = cache.read(layer, 0, 150, torch.float32)
+        for slot in (1, 2):
+            got = cache.read(layer, slot, 150, torch.float32)
+            assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1]), (layer, slot)

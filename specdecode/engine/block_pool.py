@@ -5,13 +5,13 @@ out block ids; ``block_table[slot, i]`` names the block holding positions ``16 i
 The target's and the draft model's KVCache share one pool and so one table: a block id means the same
 positions in both caches (each has its own storage for it).
 
-Prefix caching. A full block whose keys and values were computed by prompt prefill is *registered* under its
-content: the identity of the registered block before it plus its 16 token ids. A later sequence that starts
-with the same tokens takes a reference to those blocks instead of computing them again. The key is compared
-exactly (a dict of tuples, no digest), so two different prefixes never share a block. Only prefill-computed
-blocks are registered: prefill rounds every position the same way however the prompt is split into chunks
-or cached (layers.attention), so a cache hit gives bitwise the same keys and values as computing them.
-Decode rows use another attention kernel, so blocks written by decoding are never shared.
+Prefix caching. A full block whose keys and values were computed (by a prompt's prefill, or by decode steps:
+a chat's next turn re-sends the answer) is *registered* under its content: the identity of the registered
+block before it plus its 16 token ids. A later sequence that starts with the same tokens takes a reference to
+those blocks instead of computing them again. The key is compared exactly (a dict of tuples, no digest), so
+two different prefixes never share a block. A cache hit gives bitwise the keys and values that computing them
+would: every position is computed the same way whatever shares its pass and wherever its chunk starts
+(models.model: prompt rows take the decode rows' row-invariant path where the C++ layer stack runs).
 
 Blocks nobody references stay cached, in least-recently-released order, and are evicted only when a fresh
 block is needed. Each registered block records whether the draft model's cache holds it too.

@@ -2,12 +2,14 @@
 
 Tokens arrive flattened: token i belongs to cache slot ``slots[i]`` at position ``positions[i]``.
 
+This Python path runs the layers of models the C++ layer stack does not cover (models.model); where the
+stack runs, prompt rows take it as decode rows do.
+
 Prefill (a stretch of one prompt, or stretches of several prompts in one pass) runs one SDPA call per block
 of ``BLOCK_SIZE`` positions of each stretch, aligned at multiples of it: the queries of the block against the
-keys up to the block's end. A position's output then
-depends only on its own block's call, never on where a chunk of the prompt started or ended, so a prompt
-prefilled whole, in chunks, or after a prefix taken from the cache gets bitwise the same keys, values and
-logits (engine.block_pool shares prefill-computed blocks on this ground).
+keys up to the block's end. Chunks end on block boundaries (engine.llm_engine), so a position's output
+depends only on its own block's call, and a prompt prefilled whole, in chunks, or after a prefix taken from
+the cache gets bitwise the same keys, values and logits.
 
 Decode and verification rows run one SDPA call per token over exactly that token's prefix, so a token's
 output is bitwise the same whether it is decoded alone or verified together with drafts or other requests.

@@ -363,7 +363,10 @@ class CausalLM(nn.Module):
         # which of its blocks came from the prefix cache (engine.block_pool).
         with row_invariant(True):
             x = self.embed_tokens(b.input_ids)
-            stack = None if b.prefill else self._layer_stack()
+            # Where the C++ stack runs the layers, prompt rows take it too: every position is then computed
+            # exactly as a decode row is, so blocks written by decoding (a chat's previous answer) and chunks
+            # that start inside a block are shared bitwise. Its prefill costs about what the Python path's does.
+            stack = self._layer_stack()
             if stack is not None:
                 x = stack(x.contiguous(), b.positions, b.slots)
             else:
