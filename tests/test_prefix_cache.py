@@ -76,6 +76,26 @@ def test_disabled_prefix_caching_registers_nothing():
     assert pool.num_cached_blocks == 0 and pool.match(list(range(32)), 31) == ([], 0)
 
 
+def test_a_partly_filled_block_is_found_by_its_tokens_so_far_and_dropped_when_evicted():
+    pool = BlockPool(4, num_slots=2, blocks_per_slot=4, device="cpu")
+    toks = list(range(100, 140))  # two whole blocks and 8 positions of a third
+    pool.ensure(0, 40)
+    pool.register(0, toks, 40, draft_tokens=0)
+    mine = pool.blocks(0)
+    blocks, _ = pool.match(toks + [1], 40)
+    assert blocks == mine[:2]
+    assert pool.match_partial(toks[:37] + [0, 0], blocks, 39) == (mine[2], 5)  # shares 5 of its 8 positions
+    assert pool.match_partial(toks, blocks, 39) == (mine[2], 7)  # never past max_tokens
+    assert pool.match_partial([0] + toks[1:], [], 39) is None  # another first block: another parent
+    pool.free(0)
+    pool.check_consistency()
+    assert pool.num_free_blocks == 4 and pool.match_partial(toks, blocks, 39) == (mine[2], 7)  # kept, evictable
+    pool.ensure(1, 64)  # takes every block: the partial entry goes with its block
+    assert pool.match_partial(toks, pool.match(toks, 39)[0], 39) is None
+    pool.free(1)
+    pool.check_consistency()
+
+
 # ---------------------------------------------------------------- the engine
 def _llm(path, **kw):
     return LLM(model=str(path), max_model_len=512, seed=0, **kw)
@@ -127,7 +147,29 @@ def test_prompts_arriving_together_prefill_in_one_pass_and_compute_their_common_
     assert _run(llm, prompts, logprobs=3) == ref
     assert max(passes) == 3, f"the three prompts that waited for the shared head share a pass: {passes}"
     pool = llm.llm_engine.pool
-    assert pool.hits == 3 * 64, "the 70-token head (4 whole blocks) is computed once and taken by the other three"
+    # the 70-token head is computed once and taken by the other three: its 4 whole blocks, and its last 6
+    # positions too where a chunk may start inside a block
+    assert pool.hits == 3 * (70 if llm.llm_engine.target.chunks_start_anywhere else 64)
+    pool.check_consistency()
+    assert pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_an_exact_repeat_computes_only_its_last_token_where_chunks_start_anywhere(fam, tiny_models, one_thread):
+    """llama-server's slot cache: a prompt sent again finds all of it but its last token, also the positions
+    of its last, partly filled block (copied out of the first request's block), and gives bitwise the same
+    logprobs. Where the model's prefill is exact only for whole blocks, the partly filled block is computed."""
+    prompt = _prompts(5, shared=0, n=1, tail=45)[0]  # 2 whole blocks and 13 positions
+    ref = _run(_llm(tiny_models[fam], enable_prefix_caching=False, speculative_config={"method": "none"}),
+               [prompt], logprobs=3)[0]
+    llm = _llm(tiny_models[fam], speculative_config={"method": "none"})
+    assert _run(llm, [prompt], logprobs=3)[0] == ref
+    pool = llm.llm_engine.pool
+    assert pool.hits == 0
+    assert _run(llm, [prompt], logprobs=3)[0] == ref
+    anywhere = llm.llm_engine.target.chunks_start_anywhere
+    assert anywhere == (fam in ("llama", "qwen2"))  # the families the C++ layer stack covers
+    assert pool.hits == (len(prompt) - 1 if anywhere else 32)
     pool.check_consistency()
     assert pool.num_used_blocks == 0
 

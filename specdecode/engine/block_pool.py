@@ -13,6 +13,12 @@ two different prefixes never share a block. A cache hit gives bitwise the keys a
 would: every position is computed the same way whatever shares its pass and wherever its chunk starts
 (models.model: prompt rows take the decode rows' row-invariant path where the C++ layer stack runs).
 
+A sequence's last, partly filled block is registered too, as a *partial* entry: the parent's identity and
+the tokens it holds so far. Its owner only ever writes past them, so a later sequence that continues the same
+prefix with some of those tokens copies their keys and values into a block of its own
+(``match_partial``, used where a prompt chunk may start inside a block: engine.model_runner). So an
+exact repeat of a prompt computes only its last token, as llama-server's slot cache does.
+
 Blocks nobody references stay cached, in least-recently-released order, and are evicted only when a fresh
 block is needed. Each registered block records whether the draft model's cache holds it too.
 """
@@ -51,6 +57,8 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
         self._cached: dict[int, _Cached] = {}             # block -> its registration
         self._by_key: dict[tuple, int] = {}                # (parent content id, tokens) -> block
+        self._partial_of: dict[int, tuple[int, tuple]] = {}  # block -> (parent content id, its tokens so far)
+        self._partials: dict[int, dict[int, tuple]] = {}     # parent content id -> {block: its tokens so far}
         self._next_content_id = 1                          # 0 is the empty prefix
         # vLLM's prefix cache counters, in tokens: positions looked up and positions found
         self.queries = 0
@@ -100,6 +108,19 @@ class BlockPool:
         entry = self._cached.pop(block, None)
         if entry is not None and self._by_key.get(entry.key) == block:
             del self._by_key[entry.key]
+        self._drop_partial(block)
+
+    def _drop_partial(self, block: int) -> None:
+        part = self._partial_of.pop(block, None)
+        if part is not None:
+            siblings = self._partials[part[0]]
+            del siblings[block]
+            if not siblings:
+                del self._partials[part[0]]
+
+    def _keeps(self, block: int) -> bool:
+        """Whether an unreferenced block is worth keeping (evictable) rather than free."""
+        return block in self._cached or block in self._partial_of
 
     def ensure(self, slot: int, num_tokens: int) -> None:
         """Give ``slot`` blocks for positions [0, num_tokens); raises KVCacheFullError (taking nothing) when the
@@ -122,7 +143,7 @@ class BlockPool:
         for block in reversed(self._slot_blocks[slot]):  # the tail first: the prefix stays cached longest
             self._refs[block] -= 1
             if self._refs[block] == 0:
-                if block in self._cached:
+                if self._keeps(block):
                     self._evictable[block] = None
                 else:
                     self._free.append(block)
@@ -148,8 +169,26 @@ class BlockPool:
             parent = entry.content_id
         return blocks, draft_run
 
+    def match_partial(self, token_ids: list[int], blocks: list[int], max_tokens: int) -> tuple[int, int] | None:
+        """After ``blocks`` (from ``match``): a block whose first n positions hold the next tokens of
+        ``token_ids`` (at most ``max_tokens`` positions in all), as (block, n) with the largest n, or None."""
+        if not self.enable_prefix_caching:
+            return None
+        parent = self._cached[blocks[-1]].content_id if blocks else 0
+        start = len(blocks) * BLOCK_SIZE
+        want = token_ids[start:min(max_tokens, start + BLOCK_SIZE)]
+        best = None
+        for block, held in self._partials.get(parent, {}).items():
+            n = 0
+            while n < len(held) and n < len(want) and held[n] == want[n]:
+                n += 1
+            if n and (best is None or n > best[1]):
+                best = (block, n)
+        return best
+
     def attach(self, slot: int, blocks: list[int]) -> None:
-        """Make ``blocks`` (from ``match``) the first blocks of an empty slot, sharing them."""
+        """Make ``blocks`` (from ``match``) the first blocks of the slot, sharing them (what it held is
+        released)."""
         self.free(slot)
         for i, block in enumerate(blocks):
             if self._refs[block] == 0:
@@ -164,12 +203,14 @@ class BlockPool:
 
     def register(self, slot: int, token_ids: list[int], num_tokens: int, draft_tokens: int) -> None:
         """Register the slot's full blocks of positions [0, num_tokens), computed (by prefill or decode steps)
-        from ``token_ids``; the draft's cache holds positions [0, draft_tokens)."""
+        from ``token_ids``, and the partly filled block after them as a partial entry; the draft's cache holds
+        positions [0, draft_tokens)."""
         if not self.enable_prefix_caching:
             return
         parent = 0
         blocks = self._slot_blocks[slot]
-        for i in range(min(num_tokens // BLOCK_SIZE, len(blocks))):
+        full = min(num_tokens // BLOCK_SIZE, len(blocks))
+        for i in range(full):
             block = blocks[i]
             draft_ok = (i + 1) * BLOCK_SIZE <= draft_tokens
             entry = self._cached.get(block)
@@ -185,6 +226,14 @@ class BlockPool:
             elif draft_ok:
                 entry.draft_ok = True
             parent = entry.content_id
+        if full < len(blocks) and num_tokens > full * BLOCK_SIZE:  # the partly filled block after them
+            block = blocks[full]
+            held = tuple(token_ids[full * BLOCK_SIZE:num_tokens])
+            old = self._partial_of.get(block)
+            if old is None or old[0] != parent or len(old[1]) < len(held):
+                self._drop_partial(block)
+                self._partial_of[block] = (parent, held)
+                self._partials.setdefault(parent, {})[block] = held
 
     def reset_prefix_cache(self) -> None:
         """Forget every registered block (vLLM's reset_prefix_cache); blocks in use stay with their slots."""
@@ -193,6 +242,8 @@ class BlockPool:
         self._evictable.clear()
         self._cached.clear()
         self._by_key.clear()
+        self._partial_of.clear()
+        self._partials.clear()
 
     def check_consistency(self) -> None:
         """Assert the pool's invariants (tests): every block is free, evictable or referenced, exactly once."""
@@ -205,4 +256,4 @@ class BlockPool:
         assert len(free) == len(self._free) and not free & evictable
         for b in range(self.num_blocks):
             assert (refs[b] > 0) + (b in free) + (b in evictable) == 1, f"block {b} is lost or double-booked"
-            assert b not in evictable or b in self._cached
+            assert b not in evictable or self._keeps(b)

@@ -120,6 +120,13 @@ class KVCache:
         """Blocks for positions [0, num_tokens) of ``slot`` (BlockPool.ensure)."""
         self.pool.ensure(slot, num_tokens)
 
+    def copy_positions(self, src: int, dst: int, n: int) -> None:
+        """Copy the first ``n`` positions of block ``src`` into block ``dst``, in every layer (a prefix-cache hit
+        on part of a block: the block stays its owner's, the copy becomes the new sequence's)."""
+        for keys, values in zip(self._keys, self._values):
+            keys[dst, :, :, :n] = keys[src, :, :, :n]
+            values[dst, :, :n] = values[src, :, :n]
+
     # ---- sizes ----
     @property
     def bytes_per_token(self) -> int:

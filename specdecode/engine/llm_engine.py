@@ -304,25 +304,32 @@ class LLMEngine:
                    and o.all_token_ids[:end] == head for o, n in chunks.items())
 
     def _use_prefix_cache(self, r: Request) -> None:
-        """Start the request's prefill after the longest prefix the cache holds: whole blocks, and at least its
-        last prompt token left to compute, whose logits give the first output token. Later, while every block
-        the request holds came from the cache, take the blocks the cache has gained since (another request's
-        chunk computed them from the same tokens)."""
+        """Start the request's prefill after the longest prefix the cache holds: whole blocks, then (where a
+        chunk may start inside a block) the positions of a partly filled block that continue it, and at least
+        its last prompt token left to compute, whose logits give the first output token. Later, while every
+        block the request holds came from the cache, take the blocks the cache has gained since (another
+        request's chunk computed them from the same tokens)."""
         limit = r.prefill_end if r.resumed else r.prefill_end - 1
         if r.prefix_checked and (r.num_computed % BLOCK_SIZE or r.num_computed + BLOCK_SIZE > limit):
             return
         blocks, draft_blocks = self.pool.match(r.all_token_ids, limit)
-        if r.prefix_checked:
-            have = r.num_computed // BLOCK_SIZE
+        first, before = not r.prefix_checked, r.num_computed
+        if not first:
+            have = before // BLOCK_SIZE
             if len(blocks) <= have or self.pool.blocks(r.slot)[:have] != blocks[:have]:
                 return
-        first, r.prefix_checked = not r.prefix_checked, True
-        gained = len(blocks) * BLOCK_SIZE - (0 if first else r.num_computed)
+        r.prefix_checked = True
+        part = self.pool.match_partial(r.all_token_ids, blocks, limit) if self.target.chunks_start_anywhere else None
         self.pool.attach(r.slot, blocks)
         r.num_computed = len(blocks) * BLOCK_SIZE
+        if part is not None and self.pool.num_free_blocks > 0:
+            # the next positions, copied out of a block another sequence holds (its owner only writes past them)
+            self.pool.ensure(r.slot, r.num_computed + part[1])
+            self.target.kv_cache.copy_positions(part[0], self.pool.blocks(r.slot)[-1], part[1])
+            r.num_computed += part[1]
         r.draft_computed = draft_blocks * BLOCK_SIZE if self.draft_runner is not None else 0
         if not r.resumed:
-            self.pool.count_query(r.prefill_end if first else 0, gained)
+            self.pool.count_query(r.prefill_end if first else 0, r.num_computed - before)
             r.metrics.num_cached_tokens = r.num_computed
 
     def _make_room(self, reqs: list[Request]) -> list[Request]:

@@ -34,6 +34,13 @@ class ModelRunner:
         for i, m in enumerate(layers):
             m.bind_kv_cache(self.kv_cache, i)
 
+    @property
+    def chunks_start_anywhere(self) -> bool:
+        """Whether a prompt chunk may start inside a block and still give bitwise the results of a whole
+        prefill: true where prompt rows take the C++ layer stack, which computes every row alone (the
+        Python path's prefill is exact for chunks that start on block boundaries, see layers.attention)."""
+        return self.model._layer_stack() is not None
+
     def _tensor(self, xs: list[int]) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.long, device=self.device)
 
