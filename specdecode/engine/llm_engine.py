@@ -299,9 +299,10 @@ class LLMEngine:
         end = min(start + BLOCK_SIZE, r.prefill_end)
         if end - start < BLOCK_SIZE:
             return False  # a partial block is never shared
-        head = r.all_token_ids[:end]
+        ids = r.all_token_ids
         return any(o.num_computed <= start and start + BLOCK_SIZE <= o.num_computed + n
-                   and o.all_token_ids[:end] == head for o, n in chunks.items())
+                   and o.all_token_ids[start:end] == ids[start:end]  # the block itself first: cheap, usually decisive
+                   and o.all_token_ids[:start] == ids[:start] for o, n in chunks.items())
 
     def _use_prefix_cache(self, r: Request) -> None:
         """Start the request's prefill after the longest prefix the cache holds: whole blocks, then (where a
