@@ -141,11 +141,21 @@ def test_prompts_arriving_together_prefill_in_one_pass_and_compute_their_common_
     ref = [_run(ref_llm, [p], logprobs=3)[0] for p in prompts]
     llm = _llm(tiny_models[fam], max_num_seqs=4, max_num_batched_tokens=4096, speculative_config={"method": "none"})
     target = llm.llm_engine.target
-    passes: list[int] = []
-    prefill_many = target.prefill_many
-    target.prefill_many = lambda seqs: passes.append(len(seqs)) or prefill_many(seqs)
+    passes: list[tuple[str, int]] = []  # (kind of pass, prompt chunks it computed)
+
+    def chunks_in(seqs):
+        return sum(any(start + len(toks) <= len(p) and p[start:start + len(toks)] == toks for p in prompts)
+                   for _, start, toks in seqs)
+
+    prefill_many, forward_rows = target.prefill_many, target.forward_rows
+    target.prefill_many = lambda seqs: passes.append(("prefill", chunks_in(seqs))) or prefill_many(seqs)
+    target.forward_rows = lambda seqs, **kw: passes.append(("rows", chunks_in(seqs))) or forward_rows(seqs, **kw)
     assert _run(llm, prompts, logprobs=3) == ref
-    assert max(passes) == 3, f"the three prompts that waited for the shared head share a pass: {passes}"
+    # the three prompts that waited for the shared head share a pass; where prompt rows take the decode rows'
+    # path, that pass is the first prompt's first decode step
+    joined = llm.llm_engine.target.chunks_start_anywhere
+    assert (("rows" if joined else "prefill"), 3) in passes, passes
+    assert [kind for kind, n in passes if n] == ["prefill"] + ["rows" if joined else "prefill"], passes
     pool = llm.llm_engine.pool
     # the 70-token head is computed once and taken by the other three: its 4 whole blocks, and its last 6
     # positions too where a chunk may start inside a block

@@ -240,24 +240,32 @@ class LLMEngine:
 
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
-        """Decode every running request by one verification pass, then prefill waiting prompts with what is
+        """Decode every running request by one verification pass, and prefill waiting prompts with what is
         left of the step's token budget (max_num_batched_tokens), so running streams keep going while a long
-        prompt is prefilled chunk by chunk."""
+        prompt is prefilled chunk by chunk. Where prompt rows take the decode rows' path, the prompt chunks
+        ride in the verification pass; elsewhere they get a pass of their own after it."""
         touched: dict[str, None] = {}
         for r in self.scheduler.take_aborted(lambda r: r.request_id):
             r.metrics.finished_time = time.time()
             touched[r.request_id] = None
         self.scheduler.admit()
         rows = self._rows = 0
+        self._joined = None
         decode = self._make_room([r for r in self.scheduler.running if not r.prefilling and not r.finished])
         if decode:
-            self._isolated(self._decode, decode)
+            # The whole batch's pass also carries the step's prompt chunks (_decode); a request run alone after
+            # a failure does not.
+            self._isolated(lambda rs: self._decode(rs, join_prompts=rs is decode), decode)
             rows = self._rows
             touched.update((r.request_id, None) for r in decode)
-        chunks = self._prefill_chunks(self.max_num_batched_tokens - rows)
-        if chunks:
-            self._isolated(lambda rs: self._prefill(rs, chunks), list(chunks))
-            touched.update((r.request_id, None) for r in chunks)
+        if self._joined is not None:  # computed in the decode pass: only their first tokens are left
+            chunks, starts, logits = self._joined
+            self._isolated(lambda rs: self._prefilled(rs, chunks, starts, logits), list(chunks))
+        else:
+            chunks = self._prefill_chunks(self.max_num_batched_tokens - rows)
+            if chunks:
+                self._isolated(lambda rs: self._prefill(rs, chunks), list(chunks))
+        touched.update((r.request_id, None) for r in chunks)
         for r in [r for r in self.scheduler.running if r.finished]:
             self._release(r)
         return [self._output(rid) for rid in touched]
@@ -274,10 +282,11 @@ class LLMEngine:
             n = min(left, BLOCK_SIZE - r.num_computed % BLOCK_SIZE)
         return max(n, 0)
 
-    def _prefill_chunks(self, budget: int) -> dict[Request, int]:
+    def _prefill_chunks(self, budget: int, preempt: bool = True) -> dict[Request, int]:
         """The prompt chunks this step prefills (in one pass), oldest request first, within ``budget`` tokens.
         A request whose next block another chunk of this step computes from the same tokens waits a step: it
-        then finds that block in the prefix cache instead of computing it twice (a shared system prompt)."""
+        then finds that block in the prefix cache instead of computing it twice (a shared system prompt).
+        Without ``preempt``, chunks stop where blocks would have to be taken from a running request."""
         chunks: dict[Request, int] = {}
         for r in [r for r in self.scheduler.running if r.prefilling and not r.finished]:
             if r.status is not Status.RUNNING:
@@ -286,7 +295,7 @@ class LLMEngine:
             if chunks and self._computed_by(chunks, r):
                 continue
             n = self._chunk(r, budget, not chunks)
-            if n == 0 or not self._reserve(r, r.num_computed + n):
+            if n == 0 or not self._reserve(r, r.num_computed + n, preempt):
                 break
             chunks[r] = n
             budget -= n
@@ -343,13 +352,14 @@ class LLMEngine:
                 self._release(r, preempt=True)
         return [r for r in reqs if r.status is Status.RUNNING]
 
-    def _reserve(self, r: Request, num_tokens: int) -> bool:
+    def _reserve(self, r: Request, num_tokens: int, preempt: bool = True) -> bool:
         """Blocks for positions [0, num_tokens) of ``r``, preempting requests admitted after it while the
-        cache is short; False when only older requests hold the rest (``r`` then waits for them)."""
+        cache is short (unless not ``preempt``); False when only older requests hold the rest (``r`` then waits
+        for them)."""
         while self.pool.blocks_needed(r.slot, num_tokens) > self.pool.num_free_blocks:
             running = self.scheduler.running
             younger = running[running.index(r) + 1:]
-            if not younger:
+            if not younger or not preempt:
                 return False
             victim = younger[-1]
             logger.warning("KV cache full: request %s is preempted and will be prefilled again "
@@ -416,10 +426,17 @@ class LLMEngine:
     def _prefill(self, reqs: list[Request], chunks: dict[Request, int]) -> None:
         """Prefill the next ``chunks[r]`` prompt tokens of each request in one target pass; at a prompt's end,
         sample its first output token."""
-        starts = [r.num_computed for r in reqs]
-        logits = self.target.prefill_many([(r.slot, s, r.all_token_ids[s:s + chunks[r]])
-                                           for r, s in zip(reqs, starts)])
-        for r, start, lg in zip(reqs, starts, logits):
+        starts = {r: r.num_computed for r in reqs}
+        logits = self.target.prefill_many([(r.slot, starts[r], r.all_token_ids[starts[r]:starts[r] + chunks[r]])
+                                           for r in reqs])
+        self._prefilled(reqs, chunks, starts, dict(zip(reqs, logits)))
+
+    def _prefilled(self, reqs: list[Request], chunks: dict[Request, int], starts: dict[Request, int],
+                   logits: dict[Request, torch.Tensor]) -> None:
+        """After a pass computed each request's chunk (``logits``: its last token's): advance, register the
+        blocks, and at a prompt's end sample its first output token."""
+        for r in reqs:
+            start, lg = starts[r], logits[r]
             r.num_computed = start + chunks[r]
             self.pool.register(r.slot, r.all_token_ids, r.num_computed, r.draft_computed)
             if r.prefilling or r.resumed:
@@ -441,9 +458,10 @@ class LLMEngine:
         return [max(0, min(r.max_tokens - r.num_output_tokens - 1, self.max_model_len - len(r.all_token_ids)))
                 for r in reqs]
 
-    def _decode(self, reqs: list[Request]) -> None:
+    def _decode(self, reqs: list[Request], join_prompts: bool = False) -> None:
         """One step of the running requests: propose, verify in one target pass, rejection-sample, commit,
-        observe."""
+        observe. With ``join_prompts``, the step's prompt chunks ride in the same pass where that is exact
+        (``_join_prompts``)."""
         proposer = self.proposer
         budgets = self._budgets(reqs)
         if proposer:
@@ -454,9 +472,13 @@ class LLMEngine:
             prop = constrain_proposal(reqs, prop, budgets, proposer)
         drafts = prop.tokens
         self._rows = sum(1 + len(d) for d in drafts)
-        logits = self.target.forward_rows([(r.slot, r.num_computed, [r.all_token_ids[-1]] + d)
-                                           for r, d in zip(reqs, drafts)], all_logits=True)
-        result = self._rejection_sample(reqs, logits, prop)
+        seqs = [(r.slot, r.num_computed, [r.all_token_ids[-1]] + d) for r, d in zip(reqs, drafts)]
+        chunks = self._join_prompts(seqs) if join_prompts else {}
+        logits = self.target.forward_rows(seqs, all_logits=[True] * len(reqs) + [False] * len(chunks))
+        if chunks:
+            self._joined = (chunks, {r: r.num_computed for r in chunks},
+                            {r: lg[-1] for r, lg in zip(chunks, logits[len(reqs):])})
+        result = self._rejection_sample(reqs, logits[:len(reqs)], prop)
         for i, r in enumerate(reqs):
             a, emitted = result.num_accepted[i], result.tokens[i]
             r.num_computed = len(r.all_token_ids) + a  # rejected drafts' KV stays in place, just past the length
@@ -468,6 +490,19 @@ class LLMEngine:
             self._commit(r, emitted, logits[i])
             if proposer is not None:
                 proposer.observe(r, drafts[i], a, emitted)
+
+    def _join_prompts(self, seqs: list[tuple[int, int, list[int]]]) -> dict[Request, int]:
+        """Pick the step's prompt chunks (within what the verification rows leave of the budget) and append them
+        to ``seqs``, to be computed in the verification pass: one read of the weights for both. Only where
+        prompt rows take the decode rows' path (the C++ stack), so each row's result is what a prefill pass
+        would give; elsewhere the chunks get their own pass after this one."""
+        if not self.target.chunks_start_anywhere:
+            return {}
+        # no preemption here: the requests being verified in this pass must keep their blocks
+        chunks = self._prefill_chunks(self.max_num_batched_tokens - self._rows, preempt=False)
+        seqs += [(r.slot, r.num_computed, r.all_token_ids[r.num_computed:r.num_computed + n])
+                 for r, n in chunks.items()]
+        return chunks
 
     def _rejection_sample(self, reqs: list[Request], logits: list[torch.Tensor], prop: Proposal):
         drafts, draft_probs = prop.tokens, prop.probs

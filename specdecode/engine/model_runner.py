@@ -66,12 +66,14 @@ class ModelRunner:
         logits = self.model(b)
         return [logits[i] for i in range(len(seqs))]
 
-    def forward_rows(self, seqs: list[tuple[int, int, list[int]]], all_logits: bool) -> list[torch.Tensor]:
+    def forward_rows(self, seqs: list[tuple[int, int, list[int]]], all_logits: bool | list[bool]) -> list[torch.Tensor]:
         """seqs: (slot, start position, new tokens). Row-invariant path.
 
-        Returns per sequence the logits [len(tokens), V] if all_logits, else the last row's [1, V]."""
+        Returns per sequence the logits [len(tokens), V] if all_logits (one flag, or one per sequence), else
+        the last row's [1, V]."""
+        flags = all_logits if isinstance(all_logits, list) else [all_logits] * len(seqs)
         ids, pos, slots, rows, spans = [], [], [], [], []
-        for slot, start, toks in seqs:
+        for (slot, start, toks), all_logits in zip(seqs, flags):
             self.kv_cache.ensure(slot, start + len(toks))
             base = len(ids)
             ids += toks
