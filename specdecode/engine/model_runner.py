@@ -52,41 +52,38 @@ class ModelRunner:
         """Prompt chunks of several slots in one pass, seqs: (slot, start position, tokens). Returns each
         chunk's last-token logits [V]. Each chunk's keys, values and logits are those of prefilling it alone:
         the linears are row-invariant and attention runs per chunk (layers.attention)."""
-        ids, pos, slots, last = [], [], [], []
-        for slot, start, toks in seqs:
-            if not toks:
-                raise ValueError("prefill_many: an empty chunk")
-            self.kv_cache.ensure(slot, start + len(toks))
-            ids += toks
-            pos += range(start, start + len(toks))
-            slots += [slot] * len(toks)
-            last.append(len(ids) - 1)
-        b = ForwardBatch(self._tensor(ids), self._tensor(pos), self._tensor(slots), slots, pos,
-                         prefill=True, logits_rows=self._tensor(last))
-        logits = self.model(b)
-        return [logits[i] for i in range(len(seqs))]
+        if not all(toks for _, _, toks in seqs):
+            raise ValueError("prefill_many: an empty chunk")
+        return [lg[0] for lg in self._pass(seqs, [False] * len(seqs), prefill=True)]
 
-    def forward_rows(self, seqs: list[tuple[int, int, list[int]]], all_logits: bool | list[bool]) -> list[torch.Tensor]:
+    def forward_rows(self, seqs: list[tuple[int, int, list[int]]],
+                     all_logits: bool | list[bool]) -> list[torch.Tensor]:
         """seqs: (slot, start position, new tokens). Row-invariant path.
 
         Returns per sequence the logits [len(tokens), V] if all_logits (one flag, or one per sequence), else
         the last row's [1, V]."""
-        flags = all_logits if isinstance(all_logits, list) else [all_logits] * len(seqs)
+        self.num_passes += 1
+        return self._pass(seqs, all_logits if isinstance(all_logits, list) else [all_logits] * len(seqs),
+                          prefill=False)
+
+    def _pass(self, seqs: list[tuple[int, int, list[int]]], all_logits: list[bool],
+              prefill: bool) -> list[torch.Tensor]:
+        """One forward pass over ``seqs``: per sequence its logits [len(tokens), V] where ``all_logits``, else
+        its last row's [1, V]."""
         ids, pos, slots, rows, spans = [], [], [], [], []
-        for (slot, start, toks), all_logits in zip(seqs, flags):
+        for (slot, start, toks), every_row in zip(seqs, all_logits):
             self.kv_cache.ensure(slot, start + len(toks))
             base = len(ids)
             ids += toks
             pos += range(start, start + len(toks))
             slots += [slot] * len(toks)
-            if all_logits:
+            if every_row:
                 spans.append((len(rows), len(toks)))
                 rows += range(base, base + len(toks))
             else:
                 spans.append((len(rows), 1))
                 rows.append(base + len(toks) - 1)
         b = ForwardBatch(self._tensor(ids), self._tensor(pos), self._tensor(slots), slots, pos,
-                         prefill=False, logits_rows=self._tensor(rows))
-        self.num_passes += 1
+                         prefill=prefill, logits_rows=self._tensor(rows))
         logits = self.model(b)
         return [logits[s:s + n] for s, n in spans]
