@@ -114,8 +114,10 @@ class AsyncLLMEngine:
     """``await engine.add_request(...)`` or ``async for out in engine.generate(...)`` from any event loop."""
 
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], step_callback: StepCallback | None = None,
-                 error_callback: Callable[[list[str]], None] | None = None):
-        """``engine`` is an engine, or a factory that the engine thread calls to build one.
+                 error_callback: Callable[[list[str]], None] | None = None, *, wait: bool = True):
+        """``engine`` is an engine, or a factory that the engine thread calls to build one. With ``wait=False``
+        the constructor returns while the factory still runs; ``wait_built()`` then waits for it (and raises
+        its error), so a caller can do other start-up work meanwhile.
 
         Why a factory: OpenMP keeps a thread team per thread that has run parallel work. If the models load
         on the caller's thread and then run on the engine thread, the two teams share the cores and every
@@ -135,15 +137,21 @@ class AsyncLLMEngine:
         factory = None if self.engine is not None else engine
         self._thread = threading.Thread(target=self._loop, args=(factory,), name="specdecode-engine", daemon=True)
         self._thread.start()
+        if wait:
+            self.wait_built()
+
+    def wait_built(self) -> "AsyncLLMEngine":
+        """Waits until the engine thread has built the engine; raises the error that building it raised."""
         self._built.wait()
         if self._build_error is not None:
             self._thread.join()
             raise self._build_error
+        return self
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "AsyncLLMEngine":
+    def from_kwargs(cls, *, wait: bool = True, **kwargs: Any) -> "AsyncLLMEngine":
         kw = default_engine_kwargs(kwargs)
-        return cls(lambda: LLMEngine.from_kwargs(**kw))
+        return cls(lambda: LLMEngine.from_kwargs(**kw), wait=wait)
 
     # ---- properties the server reads ----
     @property

@@ -8,7 +8,7 @@ costs little more than decoding one.
 
 The C++ source (``cpu_linear.cpp``, shipped as package data) is JIT-built with
 ``torch.utils.cpp_extension.load`` on first use and cached in the torch extensions directory, or in
-``$SPECDECODE_KERNEL_DIR`` if set. If the build fails, one warning is logged and a slow but still
+``$SPECDECODE_KERNEL_DIR`` if set; later loads import the built module directly. If the build fails, one warning is logged and a slow but still
 row-invariant pure-torch path is used. ``SPECDECODE_DISABLE_KERNEL=1`` (read at call time) or
 ``kernels.FORCE_FALLBACK = True`` forces that path.
 
@@ -416,31 +416,67 @@ def _cpu_tag() -> str:
     return hashlib.sha1((platform.machine() + flags).encode()).hexdigest()[:10]
 
 
-def _load_extension() -> Any:
-    from torch.utils import cpp_extension
+def _build_root() -> str:
+    """``$SPECDECODE_KERNEL_DIR``, else torch's extensions directory (``$TORCH_EXTENSIONS_DIR`` or
+    ``torch_extensions`` in the user cache). Not the model cache: tests and users point that elsewhere
+    freely, and each new place would mean a fresh compile."""
+    env = os.environ.get("SPECDECODE_KERNEL_DIR") or os.environ.get("TORCH_EXTENSIONS_DIR")
+    if env:
+        return env
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "torch_extensions")
 
-    build_dir = os.environ.get("SPECDECODE_KERNEL_DIR") or None
-    if build_dir:
-        os.makedirs(build_dir, exist_ok=True)
-    name = f"specdecode_cpu_linear_{_cpu_tag()}"
+
+def _build_name(cflags: list[str]) -> str:
+    """The module name of one build: it changes with the source, the flags, torch and the CPU, so an existing
+    build of that name is current and can be imported without asking the build system."""
+    h = hashlib.sha1()
+    for part in (_cpu_tag(), torch.__version__, " ".join(cflags)):
+        h.update(part.encode() + b"\0")
+    with open(_SOURCE, "rb") as f:
+        h.update(f.read())
+    return f"specdecode_cpu_linear_{h.hexdigest()[:12]}"
+
+
+def _import_built(name: str, directory: str) -> Any:
+    """The already built module ``name``, or None. Importing it directly skips cpp_extension (and the
+    setuptools import it brings), which is most of a warm load."""
+    import importlib.util
+
+    path = os.path.join(directory, name + ".so")
+    if not os.path.isfile(path):
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except Exception:  # a build another process is still linking, or a damaged file: let the builder decide
+        return None
+
+
+def _load_extension() -> Any:
+    root = _build_root()
     # -fopenmp: at::parallel_for is header-only and only runs in parallel when compiled with OpenMP;
     # the libgomp.so.1 torch already loaded is reused (same soname), so there is a single runtime.
     base = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
     attempts = [base + ["-march=native"], base]  # second try: portable scalar path
     last_err: Exception | None = None
-    for i, cflags in enumerate(attempts):
+    for cflags in attempts:
+        name = _build_name(cflags)
+        directory = os.path.join(root, name)
+        module = _import_built(name, directory)
+        if module is not None:
+            return module
         try:
+            from torch.utils import cpp_extension
+
+            os.makedirs(directory, exist_ok=True)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                return cpp_extension.load(
-                    name=name if i == 0 else name + "_generic",
-                    sources=[_SOURCE],
-                    extra_cflags=cflags,
-                    extra_ldflags=["-fopenmp"],
-                    build_directory=build_dir,
-                    verbose=False,
-                )
-        except Exception as e:  # compiler missing, ninja missing, bad flags, ...
+                return cpp_extension.load(name=name, sources=[_SOURCE], extra_cflags=cflags,
+                                          extra_ldflags=["-fopenmp"], build_directory=directory, verbose=False)
+        except Exception as e:  # compiler missing, ninja missing, bad flags, unwritable directory, ...
             last_err = e
     assert last_err is not None
     raise last_err

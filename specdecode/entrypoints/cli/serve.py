@@ -43,7 +43,16 @@ def run(args) -> int:
             if (e.name or "").split(".")[0] != "ray":
                 raise
             raise CLIError(f"--ray needs Ray Serve ({e}): pip install 'specdecode[ray]'") from None
+    from specdecode.engine.async_engine import AsyncLLMEngine
+    from specdecode.entrypoints.openai.cli_args import engine_kwargs_from_args
+
+    # The models load on the engine thread while this one imports the web stack: the load spends much of its
+    # time outside the GIL (reading and checksumming the packed weights), so the two overlap.
+    try:
+        engine = AsyncLLMEngine.from_kwargs(wait=False, **engine_kwargs_from_args(args, model))
+    except ValueError:
+        engine = None  # run_server reports the bad setting in its one-line form
     from specdecode.entrypoints.openai.api_server import run_server
 
-    run_server(args, model)
+    run_server(args, model, engine)
     return 0

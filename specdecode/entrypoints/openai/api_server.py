@@ -801,8 +801,9 @@ class _Server(uvicorn.Server):
             last_word.cancel()
 
 
-def run_server(args: argparse.Namespace, model: str | None) -> None:
-    """Loads the engine, then serves until SIGINT/SIGTERM. Bad settings: one line on stderr, exit code 2."""
+def run_server(args: argparse.Namespace, model: str | None, engine: AsyncLLMEngine | None = None) -> None:
+    """Loads the engine (or waits for ``engine``, started from the same arguments), then serves until
+    SIGINT/SIGTERM. Bad settings: one line on stderr, exit code 2."""
     host, port = getattr(args, "host", None) or "127.0.0.1", getattr(args, "port", None)
     port = 8000 if port is None else port
     if not (0 <= port <= 65535):
@@ -810,7 +811,9 @@ def run_server(args: argparse.Namespace, model: str | None) -> None:
     api_key = getattr(args, "api_key", None) or os.environ.get("SPECDECODE_API_KEY") or None
     try:
         kw = engine_kwargs_from_args(args, model)
-        app = build_app(kw, getattr(args, "served_model_name", None), api_key,
+        if engine is not None:
+            engine.wait_built()
+        app = build_app(kw, getattr(args, "served_model_name", None), api_key, engine=engine,
                         max_body_bytes=getattr(args, "max_request_body_bytes", None) or DEFAULT_MAX_BODY_BYTES,
                         body_timeout=getattr(args, "request_body_timeout", None) or DEFAULT_BODY_TIMEOUT,
                         metrics_require_key=bool(getattr(args, "metrics_require_key", False)),
