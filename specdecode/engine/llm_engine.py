@@ -441,8 +441,7 @@ class LLMEngine:
             self.pool.register(r.slot, r.all_token_ids, r.num_computed, r.draft_computed)
             if r.prefilling or r.resumed:
                 continue
-            result = rejection_sample(self._target_probs([r], [lg[None]], [[]]),
-                                      torch.zeros(1, 0, dtype=torch.long, device=lg.device), [0], None,
+            result = rejection_sample(self._target_probs([r], [lg[None]], [[]]), [[]], [0], None,
                                       [r.params.greedy], [r.generator])
             r.metrics.first_token_time = time.time()
             if self.proposer is not None:
@@ -506,22 +505,15 @@ class LLMEngine:
 
     def _rejection_sample(self, reqs: list[Request], logits: list[torch.Tensor], prop: Proposal):
         drafts, draft_probs = prop.tokens, prop.probs
-        kmax = max(len(d) for d in drafts)
-        dt = torch.zeros(len(reqs), kmax, dtype=torch.long)
-        for i, d in enumerate(drafts):
-            dt[i, :len(d)] = torch.tensor(d, dtype=torch.long)
-        target_probs = self._target_probs(reqs, logits, drafts)
-        if draft_probs is not None and draft_probs.shape[1] > kmax:
-            draft_probs = draft_probs[:, :kmax]
-        return rejection_sample(target_probs, dt.to(target_probs.device), [len(d) for d in drafts], draft_probs,
-                                [r.params.greedy for r in reqs], [r.generator for r in reqs])
+        return rejection_sample(self._target_probs(reqs, logits, drafts), drafts, [len(d) for d in drafts],
+                                draft_probs, [r.params.greedy for r in reqs], [r.generator for r in reqs])
 
     def _target_probs(self, reqs: list[Request], logits: list[torch.Tensor],
-                      drafts: list[list[int]]) -> torch.Tensor:
-        """[R, K+1, V] target distributions; row j of request i assumes drafts[i][:j] were accepted. A greedy
-        request's rows are its processed logits: the rejection sampler only takes their argmax, which is that
-        of the one-hot distribution, and a one-hot over the vocabulary per row cost several passes over it."""
-        kmax = max(len(d) for d in drafts)
+                      drafts: list[list[int]]) -> list[torch.Tensor]:
+        """Per request, its [len(drafts) + 1, V] target distributions; row j assumes drafts[i][:j] were accepted.
+        A greedy request's rows are its processed logits: the rejection sampler only takes their argmax, which
+        is that of the one-hot distribution, and a one-hot over the vocabulary per row cost several passes over
+        it."""
         processed = []
         for r, lg, d in zip(reqs, logits, drafts):
             # Row j follows the output and d[:j]: logit_bias, min_tokens and penalties per row, then the grammar's
@@ -529,14 +521,7 @@ class LLMEngine:
             grammar = (lambda x, r=r, d=d: mask_rows(r, x, d)) if matcher_of(r) is not None else None
             rows = request_logits(lg[:len(d) + 1], r.params, r.output_token_ids, d, self.eos_token_ids, grammar)
             processed.append(rows.float() if r.params.greedy else logits_to_probs(rows, [r.params] * len(rows)))
-        if len(processed) == 1:
-            return processed[0][None]
-        V = processed[0].shape[-1]
-        out = torch.empty(len(reqs), kmax + 1, V, device=processed[0].device)
-        for i, rows in enumerate(processed):
-            out[i, :len(rows)] = rows
-            out[i, len(rows):] = 0.0  # positions past a request's drafts are never read
-        return out
+        return processed
 
     def _commit(self, r: Request, tokens: list[int], logits: torch.Tensor) -> None:
         """Append emitted tokens one by one, stopping exactly where plain decoding would stop."""

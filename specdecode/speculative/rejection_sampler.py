@@ -8,6 +8,7 @@ N-gram drafts are one-hot (q(d_i) = 1), which the same formulas cover.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,42 +27,44 @@ def accept_mask(p_target: torch.Tensor, p_draft: torch.Tensor, u: torch.Tensor) 
     return u * p_draft < p_target
 
 
-def rejection_sample(target_probs: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: list[int],
+def rejection_sample(target_probs: torch.Tensor | Sequence[torch.Tensor],
+                     draft_tokens: torch.Tensor | Sequence[Sequence[int]], num_drafts: list[int],
                      draft_probs: torch.Tensor | None, greedy: list[bool],
                      generators: list[torch.Generator | None]) -> VerifyResult:
-    """target_probs: [R, K+1, V] after sampling transforms; for greedy requests, any rows whose argmax is the
-    target's token (a one-hot, or the processed logits themselves);
-    draft_tokens: [R, K], padded with 0 past num_drafts[r]; draft_probs: [R, K, V] or None for one-hot drafts."""
-    R, K1, _ = target_probs.shape
-    K = K1 - 1
-    dev = target_probs.device
-    n_dr = torch.tensor(num_drafts, device=dev)
-    valid = torch.arange(K, device=dev)[None, :] < n_dr[:, None]
-    d = draft_tokens.long()
-    p_t = target_probs[:, :K].gather(-1, d[..., None]).squeeze(-1)
-    p_d = torch.ones_like(p_t) if draft_probs is None else draft_probs.gather(-1, d[..., None]).squeeze(-1)
-    u = torch.zeros(R, K, device=dev)
-    for r in range(R):
-        if not greedy[r] and num_drafts[r]:
-            # One draw per drafted token from the request's own generator: reproducible in any batch.
-            u[r, :num_drafts[r]] = torch.rand(num_drafts[r], generator=generators[r], device=dev)
-    greedy_t = torch.tensor(greedy, device=dev)[:, None]
-    best = argmax(target_probs) if any(greedy) else None  # [R, K+1]
-    ok = torch.where(greedy_t, d == best[:, :K] if best is not None else False, accept_mask(p_t, p_d, u)) & valid
-    n_acc = torch.cumprod(ok.int(), dim=1).sum(1).tolist() if K else [0] * R
+    """target_probs: per request r, its num_drafts[r] + 1 rows after sampling transforms (row j assumes the
+    first j drafts were accepted), as a list of [n_r + 1, V] tensors or padded to one [R, K+1, V] tensor; for a
+    greedy request, any rows whose argmax is the target's token (a one-hot, or the processed logits themselves);
+    draft_tokens: per request its drafts (lists, or [R, K] padded with 0 past num_drafts[r]);
+    draft_probs: [R, K, V] or None for one-hot drafts.
 
-    tokens = []
-    for r in range(R):
-        a = n_acc[r]
-        accepted = d[r, :a].tolist()
+    Each request is handled on its own rows: a batch's requests draft different numbers of tokens, and padding
+    them all to the deepest one would copy and scan the whole vocabulary for rows nobody reads."""
+    drafts = draft_tokens.tolist() if isinstance(draft_tokens, torch.Tensor) else draft_tokens
+    tokens, n_acc = [], []
+    for r, n in enumerate(num_drafts):
+        p, d = target_probs[r][:n + 1], [int(t) for t in drafts[r][:n]]
         if greedy[r]:
-            final = int(best[r, a])
-        elif a < num_drafts[r]:
-            p = target_probs[r, a]
-            q = draft_probs[r, a] if draft_probs is not None else torch.zeros_like(p).index_fill_(0, d[r, a], 1.0)
-            residual = (p - q).clamp_(min=0)
-            final = sample(residual if residual.sum() > 0 else p, generators[r])
+            best = argmax(p).tolist()
+            a = next((j for j in range(n) if d[j] != best[j]), n)
+            final = best[a]
         else:
-            final = sample(target_probs[r, a], generators[r])
-        tokens.append(accepted + [final])
+            a = n
+            if n:
+                idx = torch.tensor(d, device=p.device)[:, None]
+                p_t = p[:n].gather(-1, idx).squeeze(-1)
+                p_d = (torch.ones_like(p_t) if draft_probs is None
+                       else draft_probs[r, :n].to(p.device).gather(-1, idx).squeeze(-1))
+                # One draw per drafted token from the request's own generator: reproducible in any batch.
+                u = torch.rand(n, generator=generators[r], device=p.device)
+                ok = accept_mask(p_t, p_d, u).tolist()
+                a = next((j for j in range(n) if not ok[j]), n)
+            if a < n:
+                q = (draft_probs[r, a].to(p.device) if draft_probs is not None
+                     else torch.zeros_like(p[a]).index_fill_(0, torch.tensor(d[a], device=p.device), 1.0))
+                residual = (p[a] - q).clamp_(min=0)
+                final = sample(residual if residual.sum() > 0 else p[a], generators[r])
+            else:
+                final = sample(p[a], generators[r])
+        tokens.append(d[:a] + [final])
+        n_acc.append(a)
     return VerifyResult(tokens, n_acc)
