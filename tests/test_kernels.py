@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import contextlib
 
 import pytest
@@ -100,6 +101,23 @@ def test_thread_count_invariance(fmt, n, k):
 def test_kernel_builds():
     # The machine running the test suite has a compiler; the fast path must actually be exercised.
     assert kernels.kernel_available()
+
+
+def test_a_built_kernel_is_imported_without_the_build_system():
+    """Once built, a fresh process imports the kernel module by its content-derived name straight from the
+    build directory: torch.utils.cpp_extension (and setuptools with it) is never imported."""
+    import subprocess
+    import sys
+
+    assert kernels.kernel_available()  # built (or imported) by this process
+    code = ("import sys; from specdecode.layers import kernels; assert kernels.kernel_available(); "
+            "print(kernels._ext.__file__, 'torch.utils.cpp_extension' in sys.modules, 'setuptools' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    path, ext_loaded, setuptools_loaded = out.stdout.split()
+    assert path == kernels._ext.__file__
+    assert os.path.basename(path) in {kernels._build_name(f) + ".so" for f in kernels._BUILD_ATTEMPTS}
+    assert ext_loaded == "False" and setuptools_loaded == "False"
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

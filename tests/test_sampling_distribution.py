@@ -185,6 +185,14 @@ def test_greedy_and_random_rows_in_one_batch():
     gens2 = [torch.Generator().manual_seed(1000 + i) for i in range(7)]
     res2 = rejection_sample(target[sub], draft_tok[sub], [1] * 7, draft_probs[sub], [False] * 7, gens2)
     assert res2.tokens == res.tokens[sub]
+    # The engine's form: each request's own rows (n + 1 of them, no padding) and its drafts as a list. Same
+    # generators, same draws: the same tokens for every request.
+    nums = [2, 2] + [1] * R
+    rows = [target[i, :n + 1] for i, n in enumerate(nums)]
+    drafts = [draft_tok[i, :n].tolist() for i, n in enumerate(nums)]
+    gens3 = [None, None] + [torch.Generator().manual_seed(1000 + i) for i in range(R)]
+    res3 = rejection_sample(rows, drafts, nums, draft_probs, [True, True] + [False] * R, gens3)
+    assert res3.tokens == res.tokens and res3.num_accepted == res.num_accepted
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -416,6 +416,13 @@ def _cpu_tag() -> str:
     return hashlib.sha1((platform.machine() + flags).encode()).hexdigest()[:10]
 
 
+# -fopenmp: at::parallel_for is header-only and only runs in parallel when compiled with OpenMP; the libgomp.so.1
+# torch already loaded is reused (same soname), so there is a single runtime. The second try is the portable
+# scalar path.
+_BASE_CFLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
+_BUILD_ATTEMPTS = (_BASE_CFLAGS + ["-march=native"], _BASE_CFLAGS)
+
+
 def _build_root() -> str:
     """``$SPECDECODE_KERNEL_DIR``, else torch's extensions directory (``$TORCH_EXTENSIONS_DIR`` or
     ``torch_extensions`` in the user cache). Not the model cache: tests and users point that elsewhere
@@ -457,17 +464,14 @@ def _import_built(name: str, directory: str) -> Any:
 
 def _load_extension() -> Any:
     root = _build_root()
-    # -fopenmp: at::parallel_for is header-only and only runs in parallel when compiled with OpenMP;
-    # the libgomp.so.1 torch already loaded is reused (same soname), so there is a single runtime.
-    base = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
-    attempts = [base + ["-march=native"], base]  # second try: portable scalar path
-    last_err: Exception | None = None
-    for cflags in attempts:
-        name = _build_name(cflags)
-        directory = os.path.join(root, name)
-        module = _import_built(name, directory)
+    builds = [(_build_name(cflags), cflags) for cflags in _BUILD_ATTEMPTS]
+    for name, _ in builds:  # an earlier build of either (where the native one failed, the portable one)
+        module = _import_built(name, os.path.join(root, name))
         if module is not None:
             return module
+    last_err: Exception | None = None
+    for name, cflags in builds:
+        directory = os.path.join(root, name)
         try:
             from torch.utils import cpp_extension
 
