@@ -183,14 +183,19 @@ def test_ctrl_c_prints_partial_summary(url, questions, tmp_path, capsys, sig):
                                       "--num-warmups", "0", "--disable-tqdm", "--result-json", str(rj)])
     done = []
 
+    handler_at_kill = []
+
     def on_record(rec: RequestRecord) -> None:
         done.append(rec)
         if len(done) == 2:
+            handler_at_kill.append(signal.getsignal(sig))
             os.kill(os.getpid(), sig)
 
     rc = run_from_args(args, on_record=on_record)
     out = capsys.readouterr()
-    assert rc == 130 and "Traceback" not in out.err
+    assert rc == 130 and "Traceback" not in out.err, (
+        f"rc {rc}; handler when the signal was sent: {handler_at_kill}; records seen: {len(done)}; "
+        f"stderr: {out.err[-2000:]}")
     assert "Interrupted:" in out.out and "interrupted" in out.err
     result = json.loads(rj.read_text())
     assert result["interrupted"] is True
