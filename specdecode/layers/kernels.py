@@ -8,9 +8,9 @@ costs little more than decoding one.
 
 The C++ source (``cpu_linear.cpp``, shipped as package data) is JIT-built with
 ``torch.utils.cpp_extension.load`` on first use and cached in the torch extensions directory, or in
-``$SPECDECODE_KERNEL_DIR`` if set; later loads import the built module directly. If the build fails, one warning is logged and a slow but still
-row-invariant pure-torch path is used. ``SPECDECODE_DISABLE_KERNEL=1`` (read at call time) or
-``kernels.FORCE_FALLBACK = True`` forces that path.
+``$SPECDECODE_KERNEL_DIR`` if set; later loads import the built module directly. If the build fails, one
+warning is logged and a slow but still row-invariant pure-torch path is used. ``SPECDECODE_DISABLE_KERNEL=1``
+(read at call time) or ``kernels.FORCE_FALLBACK = True`` forces that path.
 
 Weight formats (``pack_linear``):
   * ``fp32``: float32 weight.
