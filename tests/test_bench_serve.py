@@ -191,7 +191,13 @@ def test_ctrl_c_prints_partial_summary(url, questions, tmp_path, capsys, sig):
             handler_at_kill.append(signal.getsignal(sig))
             os.kill(os.getpid(), sig)
 
-    rc = run_from_args(args, on_record=on_record)
+    # Python's own Ctrl+C handler, as in a terminal: a job started in the background by a non-interactive shell
+    # (as `bash .ci/run &` is) inherits SIGINT ignored, and then the signal never reaches the run.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        rc = run_from_args(args, on_record=on_record)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     out = capsys.readouterr()
     assert rc == 130 and "Traceback" not in out.err, (
         f"rc {rc}; handler when the signal was sent: {handler_at_kill}; records seen: {len(done)}; "
