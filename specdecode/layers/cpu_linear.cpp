@@ -1706,6 +1706,52 @@ static inline V16 load16(const float* p) {
   return v;
 }
 constexpr int64_t kValueTile = 32;
+// Scores one attention call keeps (floats), and the fewest query rows it takes: a long prompt's rows are cut
+// into pieces of about kScoreBudget / length rows, so that their scores stay in L2 between the score, softmax
+// and value passes.
+constexpr int64_t kScoreBudget = 1 << 16, kMinQueryPiece = 32;
+
+// max(s[0], ..., s[n - 1]) as the scalar loop mx = s[0]; mx = std::max(mx, s[j]) gives it (max is exact, so
+// the order does not matter; a NaN is skipped unless it is s[0], and then the result is NaN as well). Eight
+// lanes at a time: one scalar chain of dependent compares was the largest single cost of a long prompt's
+// attention.
+typedef float V8 __attribute__((vector_size(8 * sizeof(float))));
+static inline float row_max(const float* s, int64_t n) {
+  V8 m = V8{} + s[0];
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    V8 x;
+    std::memcpy(&x, s + j, sizeof(x));
+    m = m < x ? x : m;
+  }
+  float mx = m[0];
+  for (int l = 1; l < 8; ++l) mx = std::max(mx, m[l]);
+  for (; j < n; ++j) mx = std::max(mx, s[j]);
+  return mx;
+}
+
+// total[i] = s_i[0] + s_i[1] + ... in key order, for rows s_i of lens[i] scores: one chain of dependent
+// additions per row (the order fixes the rounding), eight rows' chains interleaved so that they overlap.
+static void row_totals(float* const* s, const int64_t* lens, int64_t n, float* total) {
+  constexpr int kChains = 8;
+  int64_t i = 0;
+  for (; i + kChains <= n; i += kChains) {
+    float t[kChains] = {};
+    int64_t common = lens[i];
+    for (int a = 1; a < kChains; ++a) common = std::min(common, lens[i + a]);
+    for (int64_t j = 0; j < common; ++j)
+      for (int a = 0; a < kChains; ++a) t[a] += s[i + a][j];
+    for (int a = 0; a < kChains; ++a) {
+      for (int64_t j = common; j < lens[i + a]; ++j) t[a] += s[i + a][j];
+      total[i + a] = t[a];
+    }
+  }
+  for (; i < n; ++i) {
+    float t = 0.0f;
+    for (int64_t j = 0; j < lens[i]; ++j) t += s[i][j];
+    total[i] = t;
+  }
+}
 
 // acc[a][jj] = sum_d q[a][d] * kt[d][jj] for NQ queries against one tile of kKeyTile transposed keys
 // ([D, kKeyTile]): the NQ x kKeyTile independent sums keep the vector units busy where one dot product at a
@@ -1778,17 +1824,20 @@ static void weighted_sum_any(const float* p, int64_t j0, int64_t j1, const float
     for (int64_t d = 0; d < D; ++d) acc[d] += p[j] * vals[(j - j0) * D + d];
 }
 
-// One KV head against the rows [m0, m1) of one request (one cache slot, increasing positions), each row
-// with its rep query heads: row m attends to keys [0, pos[m]]. Keys and values are read once for all of
-// those rows, so a verification pass over k + 1 rows streams the request's KV cache once, not k + 1 times.
-// Each block's keys are one transposed tile ([D, kKeyTile]), so nothing is transposed per step. Lanes of the
-// last block past the newest key hold stale or zero values; their scores are never read.
+// One KV head against query rows [i0, i1) of the rows [m0, m1) of one request (one cache slot, increasing
+// positions); query row i is row m0 + i / rep's query head kv * rep + i % rep, and attends to keys [0, pos].
+// Keys and values are read once for all of those rows, so a verification pass over k + 1 rows streams the
+// request's KV cache once, not k + 1 times. A long prompt's rows are split into several calls (see
+// attention_tasks) so that their scores stay in cache; a row's arithmetic is the same in any split. Each
+// block's keys are one transposed tile ([D, kKeyTile]), so nothing is transposed per step. Lanes of the last
+// block past the newest key hold stale or zero values, and score tiles past a row's own position are not
+// computed for it; such scores are never read.
 static void attend_rows(const LayerDesc& L, const StackDims& g, const float* qkv, int64_t nqkv, const int64_t* pos,
-                        int64_t slot, int64_t m0, int64_t m1, int64_t kv, int64_t rep, float* att, int64_t ld_att,
-                        std::vector<float>& scratch) {
-  const int64_t D = g.D, n = (m1 - m0) * rep;
+                        int64_t slot, int64_t m0, int64_t i0, int64_t i1, int64_t kv, int64_t rep, float* att,
+                        int64_t ld_att, std::vector<float>& scratch) {
+  const int64_t D = g.D, n = i1 - i0;
   int64_t len = 0;
-  for (int64_t m = m0; m < m1; ++m) len = std::max(len, pos[m] + 1);
+  for (int64_t i = i0; i < i1; ++i) len = std::max(len, pos[m0 + i / rep] + 1);
   const int64_t ld = (len + kKeyTile - 1) / kKeyTile * kKeyTile;
   // scores [n, ld], totals [n], sums [n, D], one widened key tile [D, kKeyTile], one value tile [kValueTile, D]
   scratch.resize(n * ld + n + n * D + D * kKeyTile + kValueTile * D);
@@ -1801,19 +1850,22 @@ static void attend_rows(const LayerDesc& L, const StackDims& g, const float* qkv
   std::vector<float*> srow(n), orow(n);
   std::vector<int64_t> lens(n);
   for (int64_t i = 0; i < n; ++i) {
-    q[i] = qkv + (m0 + i / rep) * nqkv + (kv * rep + i % rep) * D;
-    orow[i] = att + (m0 + i / rep) * ld_att + (kv * rep + i % rep) * D;
+    const int64_t m = m0 + (i0 + i) / rep, h = kv * rep + (i0 + i) % rep;
+    q[i] = qkv + m * nqkv + h * D;
+    orow[i] = att + m * ld_att + h * D;
     srow[i] = scores + i * ld;
-    lens[i] = pos[m0 + i / rep] + 1;
+    lens[i] = pos[m] + 1;
   }
+  int64_t first = 0;  // rows before it end before the tile: lens never decreases along the rows
   for (int64_t j0 = 0; j0 < len; j0 += kKeyTile) {
+    while (first < n && lens[first] <= j0) ++first;
     const int64_t jt = std::min(kKeyTile, len - j0);
     const int64_t at = g.at(g.block(slot, j0), kv);
     const float* tile = key_tile;
     if (g.kv_fmt == kKvF32) tile = static_cast<const float*>(L.keys) + at;
     else kv_load(g.kv_fmt, L.keys, at, D * kKeyTile, key_tile);
-    float* out[4];
-    int64_t i = 0;
+    float* out[8];
+    int64_t i = first;
     for (; i + 4 <= n; i += 4) {
       for (int a = 0; a < 4; ++a) out[a] = srow[i + a] + j0;
       score_tile<4>(q.data() + i, tile, D, g.scale, jt, out);
@@ -1825,14 +1877,9 @@ static void attend_rows(const LayerDesc& L, const StackDims& g, const float* qkv
   }
   for (int64_t i = 0; i < n; ++i) {  // softmax numerators; keys past a row's own position are never read
     float* s = srow[i];
-    const int64_t li = lens[i];
-    float mx = s[0];
-    for (int64_t j = 1; j < li; ++j) mx = std::max(mx, s[j]);
-    exp_shifted(s, mx, s, li);
-    float t = 0.0f;
-    for (int64_t j = 0; j < li; ++j) t += s[j];
-    total[i] = t;
+    exp_shifted(s, row_max(s, lens[i]), s, lens[i]);
   }
+  row_totals(srow.data(), lens.data(), n, total);
   // Values in tiles of kValueTile keys (widened into val_tile), each tile used by every query while it sits in
   // L1 (a pass over all values per query would stream them from L3 once per query). A query's sums still run
   // in key order.
@@ -1892,17 +1939,25 @@ static void layer_forward(const LayerDesc& L, const StackDims& g, float* x, int6
       }
     }
   }
-  // Attention tasks: each stretch of rows of one request (same slot, increasing positions) x KV head.
+  // Attention tasks: each stretch of rows of one request (same slot, increasing positions) x KV head, its
+  // query rows cut into pieces whose scores fit in cache (a long prompt's scores would not).
   std::vector<int64_t> runs{0};
   for (int64_t m = 1; m < M; ++m)
     if (slot[m] != slot[m - 1] || pos[m] <= pos[m - 1]) runs.push_back(m);
   runs.push_back(M);
-  const int64_t nruns = static_cast<int64_t>(runs.size()) - 1;
-  at::parallel_for(0, nruns * KV, 1, [&](int64_t t0, int64_t t1) {
+  struct Task { int64_t m0, i0, i1, kv; };
+  std::vector<Task> tasks;
+  for (size_t r = 0; r + 1 < runs.size(); ++r) {
+    const int64_t m0 = runs[r], n = (runs[r + 1] - m0) * rep, ld = pos[runs[r + 1] - 1] + 1;
+    const int64_t piece = std::max<int64_t>(kMinQueryPiece, kScoreBudget / ld / 4 * 4);
+    for (int64_t kv = 0; kv < KV; ++kv)
+      for (int64_t i0 = 0; i0 < n; i0 += piece) tasks.push_back({m0, i0, std::min(n, i0 + piece), kv});
+  }
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
     thread_local std::vector<float> scratch;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r = t / KV, kv = t % KV, m0 = runs[r];
-      attend_rows(L, g, qkv, nqkv, pos, slot[m0], m0, runs[r + 1], kv, rep, att, H * D, scratch);
+      const Task& k = tasks[t];
+      attend_rows(L, g, qkv, nqkv, pos, slot[k.m0], k.m0, k.i0, k.i1, k.kv, rep, att, H * D, scratch);
     }
   });
   linear(L.o, att, H * D, M, y, h);
