@@ -171,3 +171,22 @@ def test_prompt_rows_take_the_stack_so_any_split_and_decoded_blocks_are_bitwise_
         for slot in (1, 2):
             got = cache.read(layer, slot, 150, torch.float32)
             assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1]), (layer, slot)
+
+
+def test_a_long_prompts_attention_in_pieces_gives_each_row_its_decode_result(tiny_models):
+    """A long prompt's query rows are cut into pieces whose scores stay in cache, and score tiles past a row's
+    own position are skipped. 600 positions with 2 query heads per KV head make 1,200 query rows against 600
+    keys: several pieces, each boundary inside the prompt. Every row's logits and the KV cache must be bitwise
+    what feeding the same tokens one decode row at a time gives."""
+    n = 600
+    ids = _prompt(n, 11)
+    r = ModelRunner(load_model(tiny_models["qwen2"], "float32", "cpu", 1024, None), 2, 1024, "cpu")
+    assert r.model._layer_stack() is not None
+    whole = r.forward_rows([(0, 0, ids)], all_logits=True)[0]
+    one_by_one = torch.cat([r.forward_rows([(1, p, [ids[p]])], all_logits=True)[0] for p in range(n)])
+    assert whole.shape == one_by_one.shape == (n, r.vocab_size)
+    assert torch.equal(whole, one_by_one)
+    assert whole[-1].std().item() > 0.01  # the rows carry signal, not a constant
+    for layer in range(r.kv_cache.num_layers):
+        a, b = r.kv_cache.read(layer, 0, n, torch.float32), r.kv_cache.read(layer, 1, n, torch.float32)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), layer
