@@ -380,24 +380,3 @@ def test_budget_below_one_entry_keeps_the_new_one(cache, monkeypatch, warnings_s
     _put(cache, "c")
     assert _names(cache) == ["c"] and tmp.is_file()
     assert len(warnings_seen) == 1 and "alone exceeds the cache budget" in warnings_seen[0]
-
-
-def test_prefetch_advises_the_entry_the_load_maps(tiny_models, cache, monkeypatch):
-    """An engine asks the OS to read every model's packed entry before it loads the first model, so a cold
-    start's reads overlap. The file advised must be the entry the load then maps (one key for both), and a
-    model without an entry yet is left alone (its load converts it)."""
-    advised: list[tuple[str, int]] = []
-
-    def record(fd: int, offset: int, length: int, advice: int) -> None:
-        advised.append((os.readlink(f"/proc/self/fd/{fd}"), advice))
-
-    monkeypatch.setattr(loader_mod.os, "posix_fadvise", record)
-    path = tiny_models["qwen2"]
-    loader_mod.prefetch(path, "auto", "cpu", "w8a8")
-    assert advised == []  # nothing cached yet
-    load_model(path, "auto", "cpu", None, "w8a8")
-    [entry] = _entries(cache)
-    loader_mod.prefetch(path, "auto", "cpu", "w8a8")
-    assert advised == [(str(entry.resolve()), os.POSIX_FADV_WILLNEED)]
-    loader_mod.prefetch(path, "auto", "cpu", "w4a8")  # another format: another entry, not written yet
-    assert len(advised) == 1

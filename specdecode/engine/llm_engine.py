@@ -15,7 +15,7 @@ from specdecode.engine.model_runner import ModelRunner
 from specdecode.engine.request import Request, Status
 from specdecode.engine.scheduler import QueueFullError, Scheduler
 from specdecode.layers.sampler import logits_to_probs, logprobs_of, request_logits
-from specdecode.models.loader import load_model, prefetch
+from specdecode.models.loader import load_model
 from specdecode.outputs import RequestOutput
 from specdecode.sampling_params import SamplingParams, check_text
 from specdecode.speculative import build_proposer, uses_draft_model
@@ -45,14 +45,6 @@ class LLMEngine:
         torch.manual_seed(c.seed)
         t0 = time.perf_counter()
         target_path = resolve_model(c.model, "target")
-        spec = c.speculative
-        draft_path = resolve_model(None if spec.model == "default" else spec.model, "draft") \
-            if uses_draft_model(spec) else None
-        # Files the OS reads in the background while the loads below run (a cold start's reads would
-        # otherwise wait for each other and for the CPU work between them).
-        prefetch(target_path, c.dtype, c.device, c.quantization)
-        if draft_path is not None:
-            prefetch(draft_path, c.dtype, c.device, c.draft_quantization())
         # One after the other: the tokenizers library holds the GIL while it parses, so a parse in a thread
         # only stalls the weights' loading (which was slower overlapped than after it).
         target = load_model(target_path, c.dtype, c.device, c.max_model_len, c.quantization)
@@ -63,8 +55,10 @@ class LLMEngine:
         self.proposer: Proposer | None = None
         self.draft_runner: ModelRunner | None = None  # the draft model's, when a speculative method uses one
         self.draft_path = None
+        spec = c.speculative
         draft = None
-        if draft_path is not None:
+        if uses_draft_model(spec):
+            draft_path = resolve_model(None if spec.model == "default" else spec.model, "draft")
             draft = load_model(draft_path, c.dtype, c.device, self.max_model_len, c.draft_quantization())
             same = same_tokenizer_files(target_path, target.is_gguf, draft_path, draft.is_gguf)
             check_draft_compatible(self.tokenizer, None if same else load_tokenizer(draft_path, draft.is_gguf),

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,34 +106,6 @@ def weight_format(dtype: str, device: str, quantization: str | None) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(d, "fp32") if device == "cpu" else str(d)
 
 
-def _cache_entry(path: Path, dtype: str, quantization: str | None) -> tuple[dict, Path]:
-    """The packed-cache key and entry file of a CPU model."""
-    # On CPU the dtype never depends on the config ("auto" is float32), so the key needs no header parse.
-    fmt = weight_format(dtype if dtype != "auto" else "float32", "cpu", quantization)
-    key = pc.make_key(path, fmt, str(resolve_dtype(dtype, {}, "cpu")).removeprefix("torch."))
-    return key, pc.entry_path(path, key)
-
-
-def prefetch(path: Path, dtype: str, device: str, quantization: str | None) -> None:
-    """Ask the OS to start reading the model's packed-cache entry, if it has one, without waiting for it.
-    Called for every model an engine will load before loading the first: the entries that are not in the
-    page cache (after a reboot, or after the OS reclaimed idle file pages) are then read while the first
-    model's checksums and the tokenizer's parse run, not one after the other."""
-    if torch.device(device).type != "cpu" or not pc.enabled() or not hasattr(os, "posix_fadvise"):
-        return
-    try:
-        _, final = _cache_entry(Path(path), dtype, quantization)
-        fd = os.open(final, os.O_RDONLY)
-    except (OSError, ValueError):
-        return  # no entry yet (the load converts), or a path the load will report
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def load_model(path: Path, dtype: str, device: str, max_model_len: int | None,
                quantization: str | None, packed_cache: bool | None = None) -> LoadedModel:
     """max_model_len None means the model's own limit, capped at 4096 to bound the KV cache.
@@ -148,8 +119,10 @@ def load_model(path: Path, dtype: str, device: str, max_model_len: int | None,
     use_cache = torch.device(device).type == "cpu" and (pc.enabled() if packed_cache is None else packed_cache)
     if not use_cache:
         return _convert(path, dtype, device, max_model_len, quantization)
-    key, final = _cache_entry(path, dtype, quantization)
-    fmt = key["format"]
+    # On CPU the dtype never depends on the config ("auto" is float32), so the key needs no header parse.
+    fmt = weight_format(dtype if dtype != "auto" else "float32", "cpu", quantization)
+    key = pc.make_key(path, fmt, str(resolve_dtype(dtype, {}, "cpu")).removeprefix("torch."))
+    final = pc.entry_path(path, key)
     entry = pc.open_entry(final, key)
     if entry is None:
         entry = _convert_and_store(path, dtype, device, max_model_len, quantization, final, key, fmt)
