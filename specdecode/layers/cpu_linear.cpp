@@ -1824,11 +1824,11 @@ static void weighted_sum_any(const float* p, int64_t j0, int64_t j1, const float
     for (int64_t d = 0; d < D; ++d) acc[d] += p[j] * vals[(j - j0) * D + d];
 }
 
-// One KV head against query rows [i0, i1) of the rows [m0, m1) of one request (one cache slot, increasing
-// positions); query row i is row m0 + i / rep's query head kv * rep + i % rep, and attends to keys [0, pos].
-// Keys and values are read once for all of those rows, so a verification pass over k + 1 rows streams the
-// request's KV cache once, not k + 1 times. A long prompt's rows are split into several calls (see
-// attention_tasks) so that their scores stay in cache; a row's arithmetic is the same in any split. Each
+// One KV head against query rows [i0, i1) of a stretch of rows of one request that starts at row m0 (one cache
+// slot, increasing positions); query row i is row m0 + i / rep's query head kv * rep + i % rep, and attends to
+// keys [0, pos]. Keys and values are read once for all of those rows, so a verification pass over k + 1 rows
+// streams the request's KV cache once, not k + 1 times. A long prompt's rows are split into several calls (the
+// task list in layer_forward) so that their scores stay in cache; a row's arithmetic is the same in any split. Each
 // block's keys are one transposed tile ([D, kKeyTile]), so nothing is transposed per step. Lanes of the last
 // block past the newest key hold stale or zero values, and score tiles past a row's own position are not
 // computed for it; such scores are never read.
@@ -1864,7 +1864,7 @@ static void attend_rows(const LayerDesc& L, const StackDims& g, const float* qkv
     const float* tile = key_tile;
     if (g.kv_fmt == kKvF32) tile = static_cast<const float*>(L.keys) + at;
     else kv_load(g.kv_fmt, L.keys, at, D * kKeyTile, key_tile);
-    float* out[8];
+    float* out[4];
     int64_t i = first;
     for (; i + 4 <= n; i += 4) {
       for (int a = 0; a < 4; ++a) out[a] = srow[i + a] + j0;
@@ -1948,8 +1948,8 @@ static void layer_forward(const LayerDesc& L, const StackDims& g, float* x, int6
   struct Task { int64_t m0, i0, i1, kv; };
   std::vector<Task> tasks;
   for (size_t r = 0; r + 1 < runs.size(); ++r) {
-    const int64_t m0 = runs[r], n = (runs[r + 1] - m0) * rep, ld = pos[runs[r + 1] - 1] + 1;
-    const int64_t piece = std::max<int64_t>(kMinQueryPiece, kScoreBudget / ld / 4 * 4);
+    const int64_t m0 = runs[r], n = (runs[r + 1] - m0) * rep, len = pos[runs[r + 1] - 1] + 1;
+    const int64_t piece = std::max<int64_t>(kMinQueryPiece, kScoreBudget / len / 4 * 4);
     for (int64_t kv = 0; kv < KV; ++kv)
       for (int64_t i0 = 0; i0 < n; i0 += piece) tasks.push_back({m0, i0, std::min(n, i0 + piece), kv});
   }
