@@ -51,7 +51,10 @@ _REQUEST_DECAY = 0.8   # per verification: a request's counts follow its text as
 _PRIOR_DECAY = 0.98    # the engine-wide counts new requests start from
 _PRIOR_WEIGHT = 2.0    # pseudo-trials of the engine-wide rate in a request's estimate
 _NEUTRAL_WEIGHT = 1.0  # pseudo-trials at 0.7 in the engine-wide estimate
-_MARGIN_OFF, _MARGIN_DEEPER = 1.10, 1.02
+# Leaving plain decoding must promise a clear gain, going deeper a small one: acceptance is an estimate and the
+# machine's speed drifts. The first margin is kept small because a draft model declined at a request's first
+# step rarely gets another chance: its catch-up grows with every token while the tokens left to repay it shrink.
+_MARGIN_OFF, _MARGIN_DEEPER = 1.05, 1.02
 # Per request step in which the draft model did not draft: how much of the engine-wide draft-model counts is
 # kept. A draft model that sat out must first catch up on a request's whole context, which a low engine-wide
 # rate never pays for, so without this one bad stretch of requests would switch it off for good (nothing new
@@ -375,8 +378,7 @@ def choose_k(p1: float, q: float, k_max: int, costs: CostModel, draft_is_free: b
     best_k = 0
     for k in range(1, k_max + 1):
         rate = costs.tokens_per_second(p1, q, k, draft_is_free, context)
-        # Demand a margin: acceptance is an estimate and the machine's speed drifts, so leaving plain
-        # decoding must promise a clear gain (10%), and a deeper k a small one (2%).
+        # Demand a margin (see _MARGIN_OFF): a tie is not worth the risk.
         if rate > best * (_MARGIN_OFF if best_k == 0 else _MARGIN_DEEPER):
             best_k, best = k, rate
     return best_k
@@ -464,7 +466,7 @@ def plan_step(options: list[list[StepOption]], costs: CostModel, context: int = 
     as if it ran alone; ``start``, e.g. the last step's plan; everyone drafting 1 and the most), keeping the
     best end.
 
-    A request leaves plain decoding only if that raises the step's rate by its share (1/B) of a 10% margin, and
+    A request leaves plain decoding only if that raises the step's rate by its share (1/B) of a 5% margin, and
     goes deeper only for its share of 2%: acceptance is an estimate and the machine's speed drifts (with one
     request this is choose_k's rule). Uncalibrated costs: a lookup's deepest option, else the draft model's."""
     n = len(options)
@@ -543,7 +545,7 @@ class _Batch:
 
     def best_for(self, i: int, opts: list[StepOption] | None = None) -> int:
         """Request i's best option index, the others' fixed: leaving plain decoding must gain its share (1/B)
-        of a 10% margin, going deeper its share of 2%."""
+        of a 5% margin, going deeper its share of 2%."""
         rates = self.rates(i, opts)
         share = 1.0 / len(self.plan)
         off, deeper = 1 + (_MARGIN_OFF - 1) * share, 1 + (_MARGIN_DEEPER - 1) * share
