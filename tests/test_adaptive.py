@@ -51,6 +51,18 @@ def test_high_acceptance_with_cheap_verification_drafts_deep():
     assert 2 <= k <= 6
 
 
+def test_a_modest_expected_gain_leaves_plain_decoding_and_a_tie_does_not():
+    """A draft model turned down at a request's first step seldom gets a second chance (its catch-up grows
+    while the tokens left to repay it shrink), so a 7% expected gain is taken; 3% is within the noise."""
+    costs = _costs({1: 0.100, 2: 0.101}, 0.020)  # k = 1: (1 + p) tokens per 0.121 s against 1 per 0.100 s
+
+    def p_for(gain: float) -> float:
+        return gain * 1.21 - 1.0
+
+    assert choose_k(p_for(1.07), p_for(1.07), 1, costs, draft_is_free=False) == 1
+    assert choose_k(p_for(1.03), p_for(1.03), 1, costs, draft_is_free=False) == 0
+
+
 def test_acceptance_counts_first_tokens_and_tokens_inside_a_run_apart():
     a = Acceptance(decay=1.0)
     a.observe(4, 0)  # cold: the first token fails
