@@ -506,6 +506,34 @@ def test_one_off_catch_up_work_keeps_short_requests_plain():
     assert policy.plan([request(400, 2, draft_computed=401)], [7], [0], [4])[0][1] > 0
 
 
+def test_a_step_that_looks_up_warms_up_a_draft_model_worth_starting():
+    """A lookup may win a request's first step while starting the draft model would pay too. The draft model
+    then catches up in that step (draft_warm_up), or it would owe more every step after and never start."""
+    from types import SimpleNamespace
+
+    policy = AdaptiveK(enabled=True, costs=_cpu_like())
+    acc = Acceptance(decay=1.0, first_ok=8, first_n=10, next_ok=8, next_n=10)
+
+    def request(output: int = 0, draft_computed: int = 0):
+        return SimpleNamespace(all_token_ids=[1] * (400 + output), num_output_tokens=output,
+                               draft_computed=draft_computed, acceptance=Acceptance(**acc.__dict__),
+                               lookup_acceptance=Acceptance(), spec_plan=None)
+
+    sure = [[0.97] * 6]
+    r = request()
+    [(looked_up, k)] = policy.plan([r], [399], [6], [4], sure)
+    assert looked_up and k > 0 and r.draft_warm_up
+    r = request()  # 8 tokens left: the catch-up would not pay, so the lookup step does not pay for it either
+    [(looked_up, k)] = policy.plan([r], [7], [6], [4], sure)
+    assert looked_up and k > 0 and not r.draft_warm_up
+    r = request(2, draft_computed=401)  # nothing to catch up on
+    policy.plan([r], [399], [6], [4], sure)
+    assert not r.draft_warm_up
+    r = request()  # the draft model itself drafts: its catch-up happens anyway
+    [(looked_up, k)] = policy.plan([r], [399], [0], [4])
+    assert not looked_up and k > 0 and not r.draft_warm_up
+
+
 def test_draft_catch_up_waits_until_a_request_outlives_the_short_answers():
     """Where some answers are short, a request does not start the draft model's prefill before it has
     outlived them (the mean length would say every answer runs long); where all run long, it starts at once."""

@@ -108,6 +108,13 @@ class DraftModelProposer(Proposer):
                 out[i] = lg[0]
         return out
 
+    def warm_up(self, requests: list) -> None:
+        """Feed the draft the tokens it has not seen of ``requests`` without drafting (their step drafts from a
+        lookup), so that its next draft for them starts without a catch-up."""
+        if requests:
+            self.runner.model.lm_head = self.head
+            self._catch_up(requests)
+
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         # Embedding tables may be padded differently; the token ids that matter are shared.
         v = logits.shape[-1]

@@ -7,7 +7,10 @@ When the draft model's latest token completes a span the lookup knows, the rest 
 as a one-hot copy and ends the request's draft for the step.
 
 With adaptive k each request keeps the two kinds' acceptance apart, and an unused lookup is still scored
-against what the target emitted, so lookups that would have been right win their turn back.
+against what the target emitted, so lookups that would have been right win their turn back. A step that drafts
+from a lookup also feeds the draft model its unseen context where starting the draft model would have paid
+(``AdaptiveK.plan`` marks it), so that a lookup found at a request's first step does not keep the draft model
+out for the rest of the request.
 """
 from __future__ import annotations
 
@@ -69,6 +72,7 @@ class HybridProposer(Proposer):
         # One plan for the batch: per request a lookup, the draft model or neither (see AdaptiveK.plan).
         plan = policy.plan(requests, budgets, [len(f) for f in found], caps,
                            [self.lookup.found_rates(r, f) for r, f in zip(requests, found)])
+        self.draft.warm_up([r for r in requests if getattr(r, "draft_warm_up", False)])
         use, ks = [], []
         for r, f, (looked_up, k) in zip(requests, found, plan):
             use.append(f[:k] if looked_up else [])
