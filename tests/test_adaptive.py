@@ -488,48 +488,41 @@ def test_requests_draft_together_when_the_draft_pass_is_shared():
     assert all(j > 0 for j in plan)
 
 
-def test_one_off_catch_up_work_keeps_short_requests_plain():
-    c = _cpu_like()
-    policy = AdaptiveK(enabled=True, costs=c)
-    acc = Acceptance(decay=1.0, first_ok=8, first_n=10, next_ok=8, next_n=10)
+def _request(prompt: int, output: int = 0, draft_computed: int = 0):
+    """A request after `output` tokens of a `prompt`-token prompt whose draft model has seen `draft_computed`
+    tokens and is accepted at 0.8."""
+    from types import SimpleNamespace
+    return SimpleNamespace(all_token_ids=[1] * (prompt + output), num_output_tokens=output,
+                           draft_computed=draft_computed,
+                           acceptance=Acceptance(decay=1.0, first_ok=8, first_n=10, next_ok=8, next_n=10),
+                           lookup_acceptance=Acceptance(), spec_plan=None)
 
-    def request(prompt: int, output: int = 0, draft_computed: int = 0):
-        from types import SimpleNamespace
-        return SimpleNamespace(all_token_ids=[1] * (prompt + output), num_output_tokens=output,
-                               draft_computed=draft_computed, acceptance=Acceptance(**acc.__dict__),
-                               lookup_acceptance=Acceptance())
+
+def test_one_off_catch_up_work_keeps_short_requests_plain():
+    policy = AdaptiveK(enabled=True, costs=_cpu_like())
 
     # The draft model has not seen this 400-token prompt: its prefill costs what ~6 target steps do. With 8
     # tokens left it cannot pay for itself; with 400 left it does, and a draft already caught up drafts.
-    assert policy.plan([request(400)], [7], [0], [4]) == [(False, 0)]
-    assert policy.plan([request(400)], [399], [0], [4])[0][1] > 0
-    assert policy.plan([request(400, 2, draft_computed=401)], [7], [0], [4])[0][1] > 0
+    assert policy.plan([_request(400)], [7], [0], [4]) == [(False, 0)]
+    assert policy.plan([_request(400)], [399], [0], [4])[0][1] > 0
+    assert policy.plan([_request(400, 2, draft_computed=401)], [7], [0], [4])[0][1] > 0
 
 
 def test_a_step_that_looks_up_warms_up_a_draft_model_worth_starting():
     """A lookup may win a request's first step while starting the draft model would pay too. The draft model
     then catches up in that step (draft_warm_up), or it would owe more every step after and never start."""
-    from types import SimpleNamespace
-
     policy = AdaptiveK(enabled=True, costs=_cpu_like())
-    acc = Acceptance(decay=1.0, first_ok=8, first_n=10, next_ok=8, next_n=10)
-
-    def request(output: int = 0, draft_computed: int = 0):
-        return SimpleNamespace(all_token_ids=[1] * (400 + output), num_output_tokens=output,
-                               draft_computed=draft_computed, acceptance=Acceptance(**acc.__dict__),
-                               lookup_acceptance=Acceptance(), spec_plan=None)
-
     sure = [[0.97] * 6]
-    r = request()
+    r = _request(400)
     [(looked_up, k)] = policy.plan([r], [399], [6], [4], sure)
     assert looked_up and k > 0 and r.draft_warm_up
-    r = request()  # 8 tokens left: the catch-up would not pay, so the lookup step does not pay for it either
+    r = _request(400)  # 8 tokens left: the catch-up would not pay, so the lookup step does not pay for it either
     [(looked_up, k)] = policy.plan([r], [7], [6], [4], sure)
     assert looked_up and k > 0 and not r.draft_warm_up
-    r = request(2, draft_computed=401)  # nothing to catch up on
+    r = _request(400, 2, draft_computed=401)  # nothing to catch up on
     policy.plan([r], [399], [6], [4], sure)
     assert not r.draft_warm_up
-    r = request()  # the draft model itself drafts: its catch-up happens anyway
+    r = _request(400)  # the draft model itself drafts: its catch-up happens anyway
     [(looked_up, k)] = policy.plan([r], [399], [0], [4])
     assert not looked_up and k > 0 and not r.draft_warm_up
 

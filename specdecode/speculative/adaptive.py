@@ -671,7 +671,7 @@ class AdaptiveK:
         sc = _StepCosts(self.costs, context)
         self._peak = max(float(n), self._peak * _PEAK_DECAY)
         peak = max(int(self._peak + 0.5), self.expected_batch)
-        options, starts, draft_opts = [], [], []
+        options, starts = [], []
         for i, (r, budget, lk, dk) in enumerate(zip(requests, budgets, lookup_ks, draft_ks)):
             drafts = self._options(r, False, dk, budget, sc)
             if drafts and peak > n and drafts[0].once and not _pays_in_batch(drafts, peak, sc):
@@ -684,7 +684,6 @@ class AdaptiveK:
                          else self._options(r, True, lk, budget, sc))
             opts = [PLAIN] + looked_up + drafts
             options.append(opts)
-            draft_opts.append(drafts)
             last = getattr(r, "spec_plan", None)
             starts.append(next((j for j, o in enumerate(opts) if last == (o.lookup, o.k)), 0))
         chosen = plan_step(options, self.costs, context, starts)
@@ -696,9 +695,10 @@ class AdaptiveK:
             # A lookup won this step, but starting the draft model would have paid too: it catches up now, or
             # its catch-up would grow with every token while the tokens left to repay it shrink, and a request
             # that looked something up at its first step would never start it.
-            drafts = draft_opts[i]
-            r.draft_warm_up = bool(o.lookup and o.k and drafts and drafts[0].once
-                                   and batch.best_for(i, opts=[PLAIN] + drafts))
+            r.draft_warm_up = False
+            if o.lookup and o.k:
+                drafts = [x for x in options[i] if x.draft_steps]
+                r.draft_warm_up = bool(drafts and drafts[0].once and batch.best_for(i, opts=[PLAIN] + drafts))
             if o.k:
                 acc = r.lookup_acceptance if o.lookup else r.acceptance
                 acc.steps_without_spec, acc.probe_every = 0, PROBE_EVERY
