@@ -1,9 +1,14 @@
 """JSON-constrained decoding with and without speculation, in one process, on Spec-Bench extraction prompts.
 
     python benchmarks/bench_structured.py [--prompts 4] [--max-tokens 128] [--rounds 2] [--threads N] [--compact]
+                                          [--schema extraction|generic]
 
-Each prompt asks for a JSON object of one fixed, nested schema (a summary, extracted name/value items, a
-confidence enum) and is decoded under that schema by the default engine, interleaved per round:
+Each prompt asks for a JSON object of a fixed schema and is decoded under that schema by the default engine.
+``--schema extraction`` (the default) gives each question the schema of what it asks to extract (books with
+their author and year, ratings per review, entities by type, ...): the values come from the prompt. ``generic``
+gives every question one nested schema (a free-text summary first, then name/value items and a confidence
+enum); within 128 tokens most answers are the summary, so that is free text under a grammar. Interleaved per
+round:
 - ``one token per pass``: speculation off and no jump-forward either: every output token costs one target
   pass, as in an engine without speculation (the bench switches the forced drafts off; the engine has no such
   option, since they are free);
@@ -39,6 +44,30 @@ SCHEMA = {"type": "object", "properties": {
 ASK = "\nAnswer as a JSON object with a summary, the extracted items (name, value) and your confidence."
 
 
+def _array(items: dict) -> dict:
+    return {"type": "array", "items": items}
+
+
+def _obj(**props) -> dict:
+    return {"type": "object", "properties": props, "required": list(props)}
+
+
+_STR, _INT, _NUM = {"type": "string"}, {"type": "integer"}, {"type": "number"}
+# Spec-Bench's extraction questions in file order, each with the schema of the answer it asks for.
+EXTRACTION = [
+    _obj(ratings=_array(_obj(review=_INT, rating={"type": "integer", "minimum": 1, "maximum": 5}))),
+    _obj(answers=_array(_obj(question=_INT, category={"enum": ["Literature", "History", "Science", "Art"]}))),
+    _obj(books=_array(_obj(main_character=_STR, book=_STR, author=_STR, year_of_publication=_INT))),
+    _obj(company=_STR, ceo=_STR, profit_usd_billion=_NUM),
+    _obj(entries=_array(_obj(country=_STR, capital=_STR, language=_STR))),
+    _obj(counts=_array(_obj(word={"enum": ["Amazon", "river", "you"]}, appearances=_INT))),
+    _obj(people=_array(_STR), organizations=_array(_STR), locations=_array(_STR)),
+    _obj(ratings=_array(_obj(phone={"enum": ["iPhone", "Samsung Galaxy", "Google Pixel"]}, rating=_NUM))),
+    _obj(equations=_array(_obj(equation=_INT, variables=_array(_STR)))),
+    _obj(months=_array(_obj(month=_STR, highest_close=_NUM, lowest_close=_NUM))),
+]
+
+
 class GrammarClock:
     """Time spent in the grammar's calls during engine steps (proposal checks, row masks, token commits)."""
 
@@ -47,7 +76,7 @@ class GrammarClock:
 
         self.seconds = 0.0
         # The engine's own references: calls the grammar helpers make to each other are not counted twice.
-        for name in ("constrain_proposal", "mask_rows", "commit_token"):
+        for name in ("forced_drafts", "constrain_proposal", "mask_rows", "commit_token"):
             setattr(engine_module, name, self._timed(getattr(engine_module, name)))
 
     def _timed(self, fn):
@@ -71,24 +100,33 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--schema", choices=["extraction", "generic"], default="extraction")
     ap.add_argument("--compact", action="store_true",
                     help="compact JSON (disable_any_whitespace): the grammar forces every structural token")
     args = ap.parse_args()
     rows = [json.loads(line) for line in open(args.dataset)]
     questions = [r["turns"][0] for r in rows if r.get("category") == "extraction"][:args.prompts]
+    if args.schema == "extraction":
+        schemas = EXTRACTION[:len(questions)]
+        asks = ["\nAnswer as a JSON object."] * len(questions)
+    else:
+        schemas, asks = [SCHEMA] * len(questions), [ASK] * len(questions)
     clock = GrammarClock()
     llm = LLM(max_num_seqs=1, **({"num_threads": args.threads} if args.threads else {}))
     engine, tok = llm.engine, llm.get_tokenizer()
     default = engine.config.speculative
-    prompts = [apply_chat_template(tok, [{"role": "user", "content": q + ASK}], True) for q in questions]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0,
-                            structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=args.compact))
+    prompts = [apply_chat_template(tok, [{"role": "user", "content": q + a}], True) for q, a in zip(questions, asks)]
+    params = [SamplingParams(max_tokens=args.max_tokens, temperature=0, structured_outputs=StructuredOutputsParams(
+        json=schema, disable_any_whitespace=args.compact)) for schema in schemas]
     configs = {"one token per pass": None, "constrained plain": None, "constrained default": default}
     import specdecode.engine.llm_engine as engine_module
-    jump_forward = engine_module.constrain_proposal
+    jump_forward = engine_module.constrain_proposal, engine_module.forced_drafts
 
-    def no_jump_forward(reqs, prop, budgets, proposer=None):
-        return prop if proposer is None else jump_forward(reqs, prop, budgets, proposer)
+    def no_jump_forward(reqs, prop, forced, budgets, proposer=None):
+        return prop if proposer is None else jump_forward[0](reqs, prop, forced, budgets, proposer)
+
+    def nothing_forced(reqs, budgets):
+        return [[] for _ in reqs]
     rates: dict[str, list[float]] = {k: [] for k in configs}
     grammar: dict[str, list[float]] = {k: [] for k in configs}
     step: dict[str, list[float]] = {k: [] for k in configs}  # decode seconds per token after the first
@@ -98,10 +136,11 @@ def main() -> None:
         for name, spec in configs.items():
             engine.set_speculative(spec)
             engine.reset_prefix_cache()
-            engine_module.constrain_proposal = no_jump_forward if name == "one token per pass" else jump_forward
+            engine_module.constrain_proposal, engine_module.forced_drafts = (
+                (no_jump_forward, nothing_forced) if name == "one token per pass" else jump_forward)
             clock.seconds = 0.0
             t0 = time.perf_counter()
-            outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+            outs = [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts, params)]
             dt = time.perf_counter() - t0
             n = sum(len(o.outputs[0].token_ids) for o in outs)
             outputs.setdefault(name, [list(o.outputs[0].token_ids) for o in outs])
@@ -122,7 +161,7 @@ def main() -> None:
         print(f"{k:>20}: best decode {v:6.2f} tok/s  {v / decode['constrained plain']:.2f}x constrained plain, "
               f"{v / decode['one token per pass']:.2f}x one token per pass")
     best = {k: max(v) for k, v in rates.items()}
-    engine_module.constrain_proposal = jump_forward
+    engine_module.constrain_proposal, engine_module.forced_drafts = jump_forward
     for k, v in best.items():
         print(f"{k:>20}: best with prefill {v:6.2f} tok/s  {v / best['constrained plain']:.2f}x constrained plain, "
               f"{v / best['one token per pass']:.2f}x one token per pass")

@@ -8,7 +8,7 @@ import pytest
 
 from specdecode.speculative.adaptive import (PLAIN, PROBE_EVERY, Acceptance, AdaptiveK, CostModel, StepOption,
                                              calibration_rows, choose_k, draft_calibration_rows, expected_tokens,
-                                             next_k, plan_step)
+                                             next_k, plan_step, _StepCosts)
 
 from helpers_spec import GREEDY, PROMPTS, gen_ids, llm_cache, noisy_drafts, one_thread  # noqa: F401
 
@@ -525,6 +525,24 @@ def test_a_step_that_looks_up_warms_up_a_draft_model_worth_starting():
     r = _request(400)  # the draft model itself drafts: its catch-up happens anyway
     [(looked_up, k)] = policy.plan([r], [399], [0], [4])
     assert not looked_up and k > 0 and not r.draft_warm_up
+
+
+def test_text_a_grammar_forces_does_not_repay_a_draft_catch_up():
+    """Under a grammar the engine drafts forced text itself, ahead of the proposer (draft_prefix). A draft
+    model's catch-up is repaid only on the tokens it drafts: where the grammar forced most of the output so far,
+    starting it does not pay; without forced text the same request starts it. Every option also verifies the
+    forced tokens, and counts them as emitted."""
+    policy = AdaptiveK(enabled=True, costs=_cpu_like())
+    free = _request(400, 12)
+    assert policy.plan([free], [100], [0], [4])[0][1] > 0
+    forced = _request(400, 12)
+    forced.num_forced = 10
+    assert policy.plan([forced], [100], [0], [4]) == [(False, 0)]
+    forced.draft_prefix = [5] * 4
+    sc = _StepCosts(policy.costs, 416)
+    opts = policy._options(forced, False, 4, 100, sc)
+    assert all(o.fixed == 4 and o.rows == 5 + o.k for o in opts)
+    assert opts[0].tokens == pytest.approx(4 + policy._options(free, False, 1, 100, sc)[0].tokens)
 
 
 def test_draft_catch_up_waits_until_a_request_outlives_the_short_answers():

@@ -267,6 +267,105 @@ def test_sampling_follows_the_masked_target(k1_llm, sharp_target, monkeypatch):
     assert pval < ALPHA, f"a sampler that skips the mask went unnoticed (p={pval:.2e})"
 
 
+# After its first letter this grammar forces "qz-" (the only legal continuation), then letters again.
+FORCED = StructuredOutputsParams(regex="[a-z]qz-[a-z]+")
+
+
+def _after_forced(model_dir, params: SamplingParams, prompt: list[int]) -> dict[int, tuple[list[int], np.ndarray]]:
+    """Per first token x1 (with its masked probability p1(x1) > 0): the forced tokens after it, as the engine
+    drafts them, and p1(x1) times the masked distribution of the token after them. Checks that each forced
+    token is the only one its row allows, so that the engine's forced drafts are always accepted."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from specdecode.engine.model_runner import ModelRunner
+    from specdecode.models.loader import load_model
+
+    runner = ModelRunner(load_model(model_dir, "float32", "cpu", 64, None), 1, 64, "cpu")
+    V = runner.vocab_size
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    m = xgr.GrammarMatcher(_compile(xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(
+        tok, vocab_size=V, stop_token_ids=[0])), FORCED), max_rollback_tokens=-1)
+    bitmask = xgr.allocate_token_bitmask(1, V)
+
+    def allowed() -> torch.Tensor:
+        m.fill_next_token_bitmask(bitmask)
+        return torch.tensor([(int(bitmask[0, t // 32]) >> (t % 32)) & 1 for t in range(V)], dtype=torch.bool)
+
+    def masked_probs(logits: torch.Tensor) -> torch.Tensor:
+        return logits_to_probs(torch.where(allowed(), logits.float(), float("-inf"))[None], [params])[0].double()
+
+    p1 = masked_probs(runner.prefill(0, prompt))
+    out = {}
+    for x1 in torch.nonzero(p1 > 1e-9).flatten().tolist():
+        assert m.accept_token(x1)
+        forced = tok.encode(m.find_jump_forward_string(), add_special_tokens=False)
+        assert forced, "the grammar forces text after the first token"
+        for t in forced:
+            assert allowed().nonzero().flatten().tolist() == [t]
+            assert m.accept_token(t)
+        logits = runner.forward_rows([(0, len(prompt), [x1] + forced)], all_logits=True)[0][-1]
+        out[x1] = forced, (p1[x1] * masked_probs(logits)).numpy()
+        m.rollback(1 + len(forced))
+    return out
+
+
+def _tokens_after_forced(llm, params: SamplingParams, n: int, seed0: int, forced: dict) -> np.ndarray:
+    sps = [params.clone(seed=seed0 + i, max_tokens=6, structured_outputs=FORCED) for i in range(n)]
+    outs = llm.generate(prompt_token_ids=[PROMPT[:6]] * n, sampling_params=sps, use_tqdm=False)
+    picked = []
+    for o in outs:
+        ids = list(o.outputs[0].token_ids)
+        f = forced[ids[0]][0]
+        assert ids[1:1 + len(f)] == f
+        picked.append(ids[1 + len(f)])
+    return np.bincount(picked, minlength=llm.engine.target.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def blunt_draft_llm(one_thread, llm_cache, sharp_target, tiny_models):
+    """The sharp target with the tiny llama it was made from as the draft: its nearly uniform distributions are
+    far from the target's, so a verifier that lets its tokens through shows at once. A given k is a fixed k
+    (no adaptive k), so it drafts behind every forced text however often it is rejected."""
+    return llm_cache.get(sharp_target, speculative_model=tiny_models["llama"], num_speculative_tokens=1,
+                         max_model_len=64, max_num_seqs=16)
+
+
+def test_sampling_after_forced_text_follows_the_masked_target(blunt_draft_llm, sharp_target, monkeypatch):
+    """The engine drafts the forced "qz-" and the draft model drafts a token after it in the same step, so the
+    token after "qz-" is the first one the rejection sampler emits after a draft-model token drawn behind
+    forced text: its law must be the masked target's marginal. The same test catches a verifier that pairs the
+    draft model's distribution with the wrong row (not moved behind the forced tokens' one-hot rows)."""
+    params = SamplingParams(temperature=0.7)
+    ref = _after_forced(sharp_target, params, PROMPT[:6])
+    marg = sum(p for _, p in ref.values())
+    llm = blunt_draft_llm
+    import specdecode.engine.llm_engine as eng
+
+    fit, behind = eng.constrain_proposal, []  # behind: per step with forced text, the drafts after it
+
+    def constrain(reqs, prop, forced, budgets, proposer=None):
+        out = fit(reqs, prop, forced, budgets, proposer)
+        behind.extend(len(t) - len(f) for t, f in zip(out.tokens, forced) if f)
+        return out
+    monkeypatch.setattr(eng, "constrain_proposal", constrain)
+    counts = _tokens_after_forced(llm, params, N_SAMPLES, 0, ref)
+    assert len(behind) >= N_SAMPLES and sum(b > 0 for b in behind) >= 0.9 * len(behind), behind[:20]
+    pval = chi2_pvalue(counts, marg)
+    assert pval > ALPHA, f"the token after forced text does not follow the masked target (p={pval:.2e})"
+
+    import specdecode.structured.speculation as spec
+
+    def unmoved(probs: torch.Tensor, i: int, prefix: list[int]) -> torch.Tensor:
+        # rows added for the prefix, but the draft's distribution left on row 0 (a forced token's row)
+        return torch.cat([probs, probs.new_zeros(probs.shape[0], len(prefix), probs.shape[2])], 1)
+
+    monkeypatch.setattr(spec, "_after_prefix", unmoved)
+    broken = _tokens_after_forced(llm, params, N_BROKEN, 10 ** 6, ref)
+    pval = chi2_pvalue(broken, marg)
+    assert pval < ALPHA, f"draft distributions on the wrong rows went unnoticed (p={pval:.2e})"
+
+
 # ---- the server, through the official openai client ----
 SCHEMAS = [
     {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]},

@@ -22,7 +22,7 @@ from specdecode.speculative import build_proposer, uses_draft_model
 from specdecode.speculative.metrics import SpecDecodeStats
 from specdecode.speculative.proposer import Proposal, Proposer
 from specdecode.speculative.rejection_sampler import rejection_sample
-from specdecode.structured.speculation import commit_token, constrain_proposal, mask_rows, matcher_of
+from specdecode.structured.speculation import commit_token, constrain_proposal, forced_drafts, mask_rows, matcher_of
 from specdecode.tokenizer import eos_ids, load_tokenizer, same_tokenizer_files
 
 logger = logging.getLogger("specdecode")
@@ -466,9 +466,21 @@ class LLMEngine:
         if proposer:
             s = self.scheduler
             proposer.expect_batch(min(len(s.running) + len(s.waiting), self.config.max_num_seqs))
-        prop = proposer.propose(reqs, budgets) if proposer else Proposal([[] for _ in reqs])
-        if any(matcher_of(r) is not None for r in reqs):  # structured outputs: grammar-checked and forced drafts
-            prop = constrain_proposal(reqs, prop, budgets, proposer)
+        # Structured outputs: the engine drafts the text the grammar forces, the proposer drafts after it, and
+        # its drafts are cut where the grammar forbids them.
+        constrained = any(matcher_of(r) is not None for r in reqs)
+        forced = forced_drafts(reqs, budgets) if constrained else [[] for _ in reqs]
+        prop = Proposal([[] for _ in reqs])
+        if proposer:
+            for r, f in zip(reqs, forced):
+                r.draft_prefix = f
+            try:
+                prop = proposer.propose(reqs, [b - len(f) for b, f in zip(budgets, forced)])
+            finally:
+                for r in reqs:
+                    r.draft_prefix = []
+        if constrained:
+            prop = constrain_proposal(reqs, prop, forced, budgets, proposer)
         drafts = prop.tokens
         self._rows = sum(1 + len(d) for d in drafts)
         seqs = [(r.slot, r.num_computed, [r.all_token_ids[-1]] + d) for r, d in zip(reqs, drafts)]
@@ -487,8 +499,11 @@ class LLMEngine:
             if proposer is not None:
                 proposer.rollback(r, r.num_computed)
             self._commit(r, emitted, logits[i])
-            if proposer is not None:
-                proposer.observe(r, drafts[i], a, emitted)
+            f = len(forced[i])
+            r.num_forced += min(a, f)
+            if proposer is not None and a >= f:
+                # The proposer learns from its own drafts only; where forced text was rejected, they went untested.
+                proposer.observe(r, drafts[i][f:], a - f, emitted[f:])
 
     def _join_prompts(self, seqs: list[tuple[int, int, list[int]]]) -> dict[Request, int]:
         """Pick the step's prompt chunks (within what the verification rows leave of the budget) and append them

@@ -37,6 +37,8 @@ class Request:
         # all but the newest token, which is fed at the next step.
         self.num_computed = 0
         self.draft_computed = 0
+        self.draft_prefix: list[int] = []  # this step's tokens the engine drafts before the proposer's
+        self.num_forced = 0  # output tokens that were forced text of its grammar (drafted by the engine)
         # Prefill computes positions [num_computed, prefill_end): the prompt, or after a preemption every token
         # but the newest. Blocks of it may come from the prefix cache (looked up once, before its first chunk).
         self.prefill_end = len(self.prompt_token_ids)

@@ -41,7 +41,7 @@ import logging
 import os
 import platform
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -422,10 +422,11 @@ class StepOption:
     k: int
     tokens: float        # expected tokens emitted (its own token plus accepted drafts)
     once: float = 0.0    # seconds of one-off work this step owes (a draft catch-up, spread over the request)
+    fixed: int = 0       # tokens the engine drafts ahead of the option's own (forced text), in tokens and rows
 
     @property
     def rows(self) -> int:
-        return 1 + self.k
+        return 1 + self.fixed + self.k
 
     @property
     def draft_steps(self) -> int:
@@ -433,6 +434,33 @@ class StepOption:
 
 
 PLAIN = StepOption(False, 0, 1.0)
+
+
+def _fixed(r) -> int:
+    """How many tokens the engine drafts for r this step ahead of the proposer's (``draft_prefix``, the text
+    its grammar forces). Every option of r verifies them, and they are counted as emitted: the grammar allows
+    nothing else."""
+    return len(getattr(r, "draft_prefix", None) or ())
+
+
+def _free_share(r) -> float:
+    """The share of r's output that its grammar does not force (1 without a grammar), judged by its output so
+    far and this step's forced text: only those tokens are drafted by the proposer, so only they repay a
+    draft model's catch-up."""
+    forced = getattr(r, "num_forced", 0) + _fixed(r)
+    if not forced:
+        return 1.0
+    return max(0.05, 1.0 - forced / max(1, getattr(r, "num_output_tokens", 0) + _fixed(r)))
+
+
+def _after(opts: list[StepOption], fixed: int) -> list[StepOption]:
+    """``opts`` drafted after ``fixed`` forced tokens."""
+    return [replace(o, tokens=o.tokens + fixed, fixed=fixed) for o in opts] if fixed else opts
+
+
+def _plain(r) -> StepOption:
+    """r's plain option: no drafts of the proposer's (forced text is still verified)."""
+    return _after([PLAIN], _fixed(r))[0]
 
 
 class _StepCosts:
@@ -567,9 +595,9 @@ def _position_options(rates: list[float]) -> list[StepOption]:
     return out
 
 
-def _pays_in_batch(opts: list[StepOption], size: int, sc: _StepCosts) -> bool:
-    """Whether one of ``opts`` beats plain decoding for a request in a batch of ``size`` plain requests."""
-    return _Batch([[PLAIN]] * (size - 1) + [[PLAIN] + opts], sc, [0] * size).best_for(size - 1) != 0
+def _pays_in_batch(opts: list[StepOption], size: int, sc: _StepCosts, plain: StepOption = PLAIN) -> bool:
+    """Whether one of ``opts`` beats ``plain`` for a request in a batch of ``size`` plain requests."""
+    return _Batch([[PLAIN]] * (size - 1) + [[plain] + opts], sc, [0] * size).best_for(size - 1) != 0
 
 
 def _draft_index(opts: list[StepOption], depth: int, default: int) -> int:
@@ -673,16 +701,16 @@ class AdaptiveK:
         peak = max(int(self._peak + 0.5), self.expected_batch)
         options, starts = [], []
         for i, (r, budget, lk, dk) in enumerate(zip(requests, budgets, lookup_ks, draft_ks)):
-            drafts = self._options(r, False, dk, budget, sc)
-            if drafts and peak > n and drafts[0].once and not _pays_in_batch(drafts, peak, sc):
+            plain, drafts = _plain(r), self._options(r, False, dk, budget, sc)
+            if drafts and peak > n and drafts[0].once and not _pays_in_batch(drafts, peak, sc, plain):
                 # The draft model would have to catch up first, and that one-off only pays back over many
                 # steps; if the batch is about to grow back to where drafting no longer pays (requests
                 # still being prefilled, or a pause between requests), those steps never come.
                 drafts = []
             positions = lookup_rates[i] if lookup_rates is not None else None
-            looked_up = (_position_options(positions[:lk]) if positions and lk
+            looked_up = (_after(_position_options(positions[:lk]), _fixed(r)) if positions and lk
                          else self._options(r, True, lk, budget, sc))
-            opts = [PLAIN] + looked_up + drafts
+            opts = [plain] + looked_up + drafts
             options.append(opts)
             last = getattr(r, "spec_plan", None)
             starts.append(next((j for j, o in enumerate(opts) if last == (o.lookup, o.k)), 0))
@@ -698,7 +726,7 @@ class AdaptiveK:
             r.draft_warm_up = False
             if o.lookup and o.k:
                 drafts = [x for x in options[i] if x.draft_steps]
-                r.draft_warm_up = bool(drafts and drafts[0].once and batch.best_for(i, opts=[PLAIN] + drafts))
+                r.draft_warm_up = bool(drafts and drafts[0].once and batch.best_for(i, opts=options[i][:1] + drafts))
             if o.k:
                 acc = r.lookup_acceptance if o.lookup else r.acceptance
                 acc.steps_without_spec, acc.probe_every = 0, PROBE_EVERY
@@ -721,18 +749,19 @@ class AdaptiveK:
         lag = 0
         if not lookup:
             done = getattr(r, "draft_computed", 0)
-            lag = len(r.all_token_ids) - done if done else len(r.all_token_ids)
+            context = len(r.all_token_ids) + len(getattr(r, "draft_prefix", None) or ())  # see context_of
+            lag = context - done if done else context
         # The draft model's first pass feeds what it has not seen yet: one token after a step it drafted in,
         # the whole context the first time (its prefill) or after sitting out. That extra work buys drafts for
         # the rest of the request, so it is spread over the tokens the request is all but sure to have left.
         extra = max(0.0, sc.draft(lag) - sc.draft(1)) if lag > 1 else 0.0
         if extra and spread:
-            extra /= self.assured_left(r, budget)
+            extra /= self.assured_left(r, budget) * _free_share(r)
         out = []
         for k in range(1, cap + 1):
             e = expected_tokens(p1, q, k)
             out.append(StepOption(lookup, k, e, extra * (e if spread else 1.0)))
-        return out
+        return _after(out, _fixed(r))
 
     def _probe(self, r, i: int, batch: "_Batch", budget: int, sc: _StepCosts, lk: int, dk: int
                ) -> tuple[bool, int]:
@@ -745,7 +774,7 @@ class AdaptiveK:
             hope = max(OPTIMISTIC_RATE, *acc.rates(self.costs.prior_of(lookup)))
             # A probe is one step, not a commitment: a draft model that sat out must first catch up on every
             # token it missed, and that is only worth it if even this single step pays for it.
-            if not batch.best_for(i, opts=[PLAIN] + self._options(r, lookup, cap, budget, sc, (hope, hope),
+            if not batch.best_for(i, opts=[_plain(r)] + self._options(r, lookup, cap, budget, sc, (hope, hope),
                                                                    spread=False)):
                 continue  # its rows (or catch-up) cost too much at this batch: no acceptance would pay for them
             if acc.in_run:

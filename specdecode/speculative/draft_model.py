@@ -10,7 +10,7 @@ from specdecode.engine.model_runner import ModelRunner
 from specdecode.layers.sampler import argmax, logits_to_probs, sample
 from specdecode.speculative.adaptive import AdaptiveK
 from specdecode.speculative.draft_vocab import TruncatedHead
-from specdecode.speculative.proposer import Proposal, Proposer
+from specdecode.speculative.proposer import Proposal, Proposer, context_of
 
 
 # More unseen tokens than this (a prompt after a prefix-cache hit) are fed as a prefill, not as decode rows.
@@ -82,7 +82,7 @@ class DraftModelProposer(Proposer):
         """Run the draft over the request's tokens it has not seen (after a prefix the prefix cache gave it,
         if any) as a prompt prefill; the logits after them."""
         t0 = time.perf_counter()
-        tokens = list(request.all_token_ids)
+        tokens = list(context_of(request))
         self._note_context(tokens)
         start = request.draft_computed
         request.draft_computed = len(tokens)
@@ -95,14 +95,15 @@ class DraftModelProposer(Proposer):
         out: list[torch.Tensor | None] = [None] * len(requests)
         rows, idx = [], []
         for i, r in enumerate(requests):
-            pending = r.all_token_ids[r.draft_computed:]
+            context = context_of(r)
+            pending = context[r.draft_computed:]
             if r.draft_computed == 0 or len(pending) > PREFILL_ROWS:
                 out[i] = self._prefill_draft(r)
                 continue
             self._note_context(pending)
             rows.append((r.slot, r.draft_computed, pending))
             idx.append(i)
-            r.draft_computed = len(r.all_token_ids)
+            r.draft_computed = len(context)
         if rows:
             for i, lg in zip(idx, self.runner.forward_rows(rows, all_logits=False)):
                 out[i] = lg[0]

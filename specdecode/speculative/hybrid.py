@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from specdecode.speculative.adaptive import AdaptiveK
 from specdecode.speculative.draft_model import DraftModelProposer
-from specdecode.speculative.proposer import Proposal, Proposer
+from specdecode.speculative.proposer import Proposal, Proposer, context_of
 
 
 @dataclass
@@ -68,7 +68,8 @@ class HybridProposer(Proposer):
         if not any(caps) and not any(lookup_caps):
             return Proposal([[] for _ in requests])
         policy = self.policy
-        found = [self.lookup.find(r, r.all_token_ids, cap) if cap else [] for r, cap in zip(requests, lookup_caps)]
+        contexts = [context_of(r) for r in requests]
+        found = [self.lookup.find(r, c, cap) if cap else [] for r, c, cap in zip(requests, contexts, lookup_caps)]
         # One plan for the batch: per request a lookup, the draft model or neither (see AdaptiveK.plan).
         plan = policy.plan(requests, budgets, [len(f) for f in found], caps,
                            [self.lookup.found_rates(r, f) for r, f in zip(requests, found)])
@@ -94,7 +95,7 @@ class HybridProposer(Proposer):
             room = min(lookup_caps[i] - len(drafted), depth[i])
             if room <= 0:
                 return []
-            copied = self.lookup.find(r, r.all_token_ids + drafted, room)
+            copied = self.lookup.find(r, contexts[i] + drafted, room)
             if copied:
                 r.proposer_step.copied_from = len(drafted)
             return copied

@@ -14,6 +14,13 @@ import torch
 from specdecode.speculative.adaptive import AdaptiveK, CostModel
 
 
+def context_of(request) -> list[int]:
+    """The tokens a proposer drafts after: the request's committed tokens, then the step's ``draft_prefix``
+    (tokens the engine drafts itself ahead of the proposer's, the grammar's forced text; usually none)."""
+    prefix = getattr(request, "draft_prefix", None)
+    return request.all_token_ids + prefix if prefix else request.all_token_ids
+
+
 @dataclass
 class Proposal:
     tokens: list[list[int]]              # per request, 0..budget draft tokens
@@ -68,7 +75,8 @@ class Proposer:
         self.policy.expected_batch = size
 
     def propose(self, requests: list, budgets: list[int]) -> Proposal:
-        """Draft tokens for each request, at most budgets[i] for request i (0: none)."""
+        """Draft tokens for each request, at most budgets[i] for request i (0: none), after its context
+        (``context_of``: where the engine drafts a prefix itself, the proposer's drafts follow it)."""
         raise NotImplementedError
 
     def observe(self, request, drafted: list[int], accepted: int, emitted: list[int]) -> None:
@@ -86,7 +94,7 @@ class Proposer:
         """``propose`` for a model-free proposer with ``find(request, tokens, k)``: each request's lookup up to
         its cap, cut to the depth the policy's plan for the batch gives it."""
         caps = self.caps(budgets)
-        found = [self.find(r, r.all_token_ids, cap) if cap else [] for r, cap in zip(requests, caps)]
+        found = [self.find(r, context_of(r), cap) if cap else [] for r, cap in zip(requests, caps)]
         plan = self.policy.plan(requests, budgets, [len(f) for f in found], [0] * len(requests),
                                 [self.found_rates(r, f) for r, f in zip(requests, found)])
         return Proposal([f[:k] for f, (_, k) in zip(found, plan)])

@@ -183,7 +183,8 @@ class SuffixProposer(Proposer):
         from the request's own context (not one extended by drafts) is kept, with each token's evidence, for
         found_rates and score_found."""
         draft, evidence = self._lookup(request, tokens, k)
-        if tokens is request.all_token_ids:
+        # the step's context itself (committed tokens and the engine's prefix), not one extended by drafts
+        if len(tokens) == len(request.all_token_ids) + len(getattr(request, "draft_prefix", None) or ()):
             request.suffix_found = (draft, evidence)
         return draft
 

@@ -21,16 +21,29 @@ def matcher_of(request):
     return getattr(request, "matcher", None)
 
 
-def constrain_proposal(requests: list, prop: Proposal, budgets: list[int], proposer=None) -> Proposal:
-    """prop with each constrained request's drafts fitted to its grammar; request i drafts at most budgets[i].
+def forced_drafts(requests: list, budgets: list[int]) -> list[list[int]]:
+    """Per request, up to budgets[i] tokens of the text its grammar forces next (empty where nothing is forced
+    or the request is unconstrained). The engine drafts them itself, ahead of the proposer's drafts: the
+    proposer drafts after them (``draft_prefix``, see ``context_of``)."""
+    out = []
+    for r, b in zip(requests, budgets):
+        m = matcher_of(r)
+        out.append(m.forced(b) if m is not None and b > 0 else [])
+    return out
 
-    - The current state forces text: the drafts are the forced tokens (one-hot). Whether this happens depends
-      only on the committed state, never on what the drafter drew.
-    - Otherwise the drafts end at the first token the grammar forbids. A drafted token the grammar forbids has
-      target probability 0 after masking, so it would be rejected with certainty. Dropping it is exact when it
-      was proposed with certainty (one-hot drafts: the residual after it is the masked target itself) and for
-      greedy requests; a sampled draft-model token stays as the last draft instead, so that the rejection
-      sampler resamples from the residual exactly as it would without the grammar.
+
+def constrain_proposal(requests: list, prop: Proposal, forced: list[list[int]], budgets: list[int],
+                       proposer=None) -> Proposal:
+    """The step's drafts of each constrained request under its grammar, at most budgets[i] for request i:
+    ``forced[i]``, then the proposer's drafts ``prop`` (drafted after forced[i]) fitted to the grammar.
+
+    - The forced tokens are one-hot drafts: they depend only on the committed state, never on what a drafter
+      drew.
+    - The proposer's drafts end at the first token the grammar forbids. A drafted token the grammar forbids
+      has target probability 0 after masking, so it would be rejected with certainty. Dropping it is exact
+      when it was proposed with certainty (one-hot drafts: the residual after it is the masked target itself)
+      and for greedy requests; a sampled draft-model token stays as the last draft instead, so that the
+      rejection sampler resamples from the residual exactly as it would without the grammar.
     - A draft that was not cut is extended with the tokens the grammar forces after it (greedy requests: after
       a cut too); the extension is a function of the tokens before it, one-hot in the draft probabilities.
     """
@@ -41,35 +54,38 @@ def constrain_proposal(requests: list, prop: Proposal, budgets: list[int], propo
         m = matcher_of(r)
         if m is None:
             continue
-        d, budget = tokens[i], max(0, budgets[i])
-        forced = m.forced(budget)
-        if forced:
-            new, one_hot_from = forced, 0
-        else:
+        fixed, d, budget = forced[i], tokens[i], max(0, budgets[i])
+        m.advance(fixed)  # forced() returned only tokens the grammar accepts
+        try:
             keep = m.valid_prefix(d)
             certain = (r.params.greedy or probs is None or keep == len(d)
                        or float(probs[i, keep, d[keep]]) >= 1.0)
             if keep < len(d) and not certain:
-                new, one_hot_from = d[:keep + 1], keep + 1
+                own, one_hot_from = d[:keep + 1], keep + 1
             else:
-                new, one_hot_from = d[:keep], keep
+                own, one_hot_from = d[:keep], keep
                 if keep == len(d) or r.params.greedy:
-                    m.advance(new)
+                    m.advance(own)
                     try:
-                        new = new + m.forced(budget - len(new))
+                        own = own + m.forced(budget - len(fixed) - len(own))
                     finally:
-                        m.rollback(len(d[:keep]))
-        new = new[:budget]
-        if new == d:
+                        m.rollback(keep)
+        finally:
+            m.rollback(len(fixed))
+        own = own[:max(0, budget - len(fixed))]
+        if not fixed and own == d:
             continue
         changed = True
-        tokens[i] = new
-        same = _common(d, new)
+        tokens[i] = fixed + own
+        same = _common(d, own)
         if proposer is not None and same < len(d):
             # The drafter cached tokens that are no longer drafted: it forgets them past the shared prefix.
-            proposer.rollback(r, len(r.all_token_ids) + same)
-        if probs is not None and not r.params.greedy and len(new) > one_hot_from:
-            probs = _one_hot_tail(probs, i, one_hot_from, new[one_hot_from:])
+            proposer.rollback(r, len(r.all_token_ids) + len(fixed) + same)
+        if probs is not None and not r.params.greedy:
+            if fixed:
+                probs = _after_prefix(probs, i, fixed)
+            if len(own) > one_hot_from:
+                probs = _one_hot_tail(probs, i, len(fixed) + one_hot_from, own[one_hot_from:])
     return Proposal(tokens, probs) if changed else prop
 
 
@@ -88,6 +104,16 @@ def _one_hot_tail(probs: torch.Tensor, i: int, start: int, toks: list[int]) -> t
         probs = torch.cat([probs, probs.new_zeros(probs.shape[0], need, probs.shape[2])], 1)
     probs[i, start:start + len(toks)] = 0.0
     probs[i, torch.arange(start, start + len(toks)), torch.tensor(toks)] = 1.0
+    return probs
+
+
+def _after_prefix(probs: torch.Tensor, i: int, prefix: list[int]) -> torch.Tensor:
+    """probs with request i's rows moved back by len(prefix), and one-hot rows for the prefix before them."""
+    n = len(prefix)
+    probs = torch.cat([probs, probs.new_zeros(probs.shape[0], n, probs.shape[2])], 1)
+    probs[i, n:] = probs[i, :-n].clone()
+    probs[i, :n] = 0.0
+    probs[i, torch.arange(n), torch.tensor(prefix)] = 1.0
     return probs
 
 
