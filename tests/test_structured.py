@@ -195,6 +195,30 @@ def test_compiled_grammars_are_cached(engines):
     assert compiler.compile(StructuredOutputsParams(regex="[0-9]+")) is a
 
 
+def test_forced_text_is_split_as_the_model_split_it(engines):
+    """Spellings: where the model rejected the tokenizer's split of forced text before its last token, the
+    next time that text is forced it is drafted the model's way. A rejection at the last token (where the
+    model's split follows the free text after it) and a token that is not a start of the text teach nothing."""
+    from specdecode.structured.grammar import Spellings
+
+    tok = engines("none").get_tokenizer()
+    spellings = Spellings(tok)
+    text = "quick brown"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) == 3 and spellings.split(text) == ids
+
+    def token(piece: str) -> int:
+        [t] = tok.encode(piece, add_special_tokens=False)
+        return t
+    spellings.learn(text, ids, 2, token(" "))  # at the last token
+    spellings.learn(text, ids, 1, token("j"))  # not what the text says
+    assert spellings.split(text) == ids
+    spellings.learn(text, ids, 0, token("q"))
+    split = spellings.split(text)
+    assert split[0] == token("q") and split != ids and tok.decode(split) == text
+    assert spellings.split("lazy " + text) == tok.encode("lazy " + text, add_special_tokens=False)
+
+
 # ---- sampling: the masked target distribution, exactly ----
 LETTERS = StructuredOutputsParams(regex="[a-z]+")
 N_SAMPLES = 2000

@@ -22,7 +22,8 @@ from specdecode.speculative import build_proposer, uses_draft_model
 from specdecode.speculative.metrics import SpecDecodeStats
 from specdecode.speculative.proposer import Proposal, Proposer
 from specdecode.speculative.rejection_sampler import rejection_sample
-from specdecode.structured.speculation import commit_token, constrain_proposal, forced_drafts, mask_rows, matcher_of
+from specdecode.structured.speculation import (commit_token, constrain_proposal, forced_drafts, learn_spelling,
+                                                mask_rows, matcher_of)
 from specdecode.tokenizer import eos_ids, load_tokenizer, same_tokenizer_files
 
 logger = logging.getLogger("specdecode")
@@ -501,6 +502,8 @@ class LLMEngine:
             self._commit(r, emitted, logits[i])
             f = len(forced[i])
             r.num_forced += min(a, f)
+            if a < f:
+                learn_spelling(r, forced[i], a, emitted)
             if proposer is not None and a >= f:
                 # The proposer learns from its own drafts only; where forced text was rejected, they went untested.
                 proposer.observe(r, drafts[i][f:], a - f, emitted[f:])

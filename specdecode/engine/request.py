@@ -39,6 +39,7 @@ class Request:
         self.draft_computed = 0
         self.draft_prefix: list[int] = []  # this step's tokens the engine drafts before the proposer's
         self.num_forced = 0  # output tokens that were forced text of its grammar (drafted by the engine)
+        self.forced_text = ""  # the text this step's forced drafts spell (with a grammar)
         # Prefill computes positions [num_computed, prefill_end): the prompt, or after a preemption every token
         # but the newest. Blocks of it may come from the prefix cache (looked up once, before its first chunk).
         self.prefill_end = len(self.prompt_token_ids)

@@ -48,6 +48,68 @@ def _choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+class Spellings:
+    """How the model splits text that grammars force, learned from its own choices.
+
+    The engine drafts forced text as the tokenizer splits it on its own. The model may split the same text
+    otherwise (``answer`` + ``s`` where the tokenizer has ``answers``), and then rejects the forced token where
+    the two part, and every draft after it in that step. Where that happened, the token the model chose is kept
+    for the text that remained (``learn``); the next time that text is forced it is split that way (``split``).
+    One engine's requests share it: requests under one schema are forced the same keys again and again. Any
+    split is exact: forced drafts are a function of the committed state and this table, never of the step's
+    random draws, and the verifier checks them like any draft."""
+
+    def __init__(self, tokenizer, size: int = 4096):
+        self._tokenizer = tokenizer
+        self._first: "OrderedDict[str, int]" = OrderedDict()  # text -> the model's first token of it
+        self._size = size
+        self._lock = threading.Lock()
+
+    def _piece(self, token: int) -> str:
+        return self._tokenizer.decode([token])
+
+    def split(self, text: str) -> list[int]:
+        """Tokens for ``text``: the tokenizer's split, except where a learned first token applies to the
+        text that remains at a token boundary."""
+        encode = self._tokenizer.encode
+        if not self._first:
+            return encode(text, add_special_tokens=False)
+        out: list[int] = []
+        pos = 0
+        with self._lock:
+            while pos < len(text):
+                learned = self._first.get(text[pos:])
+                if learned is not None:
+                    out.append(learned)
+                    pos += len(self._piece(learned))
+                    continue
+                for t in encode(text[pos:], add_special_tokens=False):
+                    out.append(t)
+                    pos += len(self._piece(t))
+                    if text[pos:] in self._first:
+                        break
+                else:
+                    break
+        # A token that is part of a character decodes to a replacement mark: then the positions are off.
+        return out if self._tokenizer.decode(out) == text else encode(text, add_special_tokens=False)
+
+    def learn(self, text: str, drafted: Sequence[int], at: int, chosen: int) -> None:
+        """``text`` was forced and drafted as ``drafted``; the verifier rejected drafted[at] and the model
+        chose ``chosen`` instead. Keep ``chosen`` as the first token of the text that remained, if it spells a
+        start of that text, and the rejected token was not the text's last: a token that runs on into free
+        text says nothing about the forced part, and at the last one the model's split follows the free text
+        after it (`` `` then ``[{`` where ``[{"`` came next), which another answer need not share."""
+        done = len(self._tokenizer.decode(list(drafted[:at])))
+        rest, piece = text[done:], self._piece(chosen)
+        if not piece or not rest.startswith(piece) or done + len(self._piece(drafted[at])) >= len(text):
+            return
+        with self._lock:
+            self._first[rest] = chosen
+            self._first.move_to_end(rest)
+            while len(self._first) > self._size:
+                self._first.popitem(last=False)
+
+
 class GrammarCompiler:
     """Compiles StructuredOutputsParams for one tokenizer; keeps the last ``cache_size`` compiled grammars.
 
@@ -64,6 +126,7 @@ class GrammarCompiler:
         self._cache: "OrderedDict[tuple, object]" = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
+        self.spellings = Spellings(tokenizer)
 
     def compile(self, params: StructuredOutputsParams):
         """The compiled grammar for params; a ValueError carrying xgrammar's message if it does not compile."""
@@ -98,14 +161,14 @@ class GrammarCompiler:
         return compiled
 
     def matcher(self, params: StructuredOutputsParams) -> "Matcher":
-        return Matcher(self.compile(params), self.vocab_size, self.tokenizer)
+        return Matcher(self.compile(params), self.vocab_size, self.tokenizer, self.spellings)
 
 
 class Matcher:
     """One request's position in its grammar. ``advance`` commits tokens; the speculative helpers
     (``allowed``, ``valid_prefix``, ``forced``) look ahead and always return with the state unchanged."""
 
-    def __init__(self, compiled, vocab_size: int, tokenizer):
+    def __init__(self, compiled, vocab_size: int, tokenizer, spellings: Spellings | None = None):
         import xgrammar as xgr
 
         self._m = xgr.GrammarMatcher(compiled, max_rollback_tokens=-1)
@@ -115,6 +178,8 @@ class Matcher:
         self.vocab_size = vocab_size
         self._words = (vocab_size + 31) // 32
         self._tokenizer = tokenizer
+        self.spellings = spellings if spellings is not None else Spellings(tokenizer)
+        self.forced_text = ""  # the text the last forced() call split
 
     def is_terminated(self) -> bool:
         """The grammar has accepted a stop token: nothing may follow."""
@@ -169,13 +234,13 @@ class Matcher:
         return torch.from_numpy(mask.view(np.bool_))
 
     def forced(self, limit: int) -> list[int]:
-        """Up to ``limit`` tokens of the text the grammar forces next (its only legal continuation), as the
-        tokenizer splits it; empty when the next text is not determined."""
+        """Up to ``limit`` tokens of the text the grammar forces next (its only legal continuation), split as
+        the model was seen to split it (``Spellings``); empty when the next text is not determined."""
         if limit <= 0 or self._m.is_terminated():
             return []
-        text = self._m.find_jump_forward_string()
+        text = self.forced_text = self._m.find_jump_forward_string()
         if not text:
             return []
-        ids = self._tokenizer.encode(text, add_special_tokens=False)[:limit]
+        ids = self.spellings.split(text)[:limit]
         # A standalone split may differ from one the grammar allows; keep the part it accepts.
         return ids[:self.valid_prefix(ids)]

@@ -29,7 +29,16 @@ def forced_drafts(requests: list, budgets: list[int]) -> list[list[int]]:
     for r, b in zip(requests, budgets):
         m = matcher_of(r)
         out.append(m.forced(b) if m is not None and b > 0 else [])
+        r.forced_text = m.forced_text if out[-1] else ""
     return out
+
+
+def learn_spelling(request, forced: list[int], accepted: int, emitted: list[int]) -> None:
+    """The verifier rejected forced[accepted] and emitted the model's own token there: the grammar's table
+    of spellings learns it (see ``Spellings``)."""
+    m = matcher_of(request)
+    if m is not None and accepted < len(forced) and len(emitted) > accepted and request.forced_text:
+        m.spellings.learn(request.forced_text, forced, accepted, emitted[accepted])
 
 
 def constrain_proposal(requests: list, prop: Proposal, forced: list[list[int]], budgets: list[int],
