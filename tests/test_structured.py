@@ -218,6 +218,18 @@ def test_forced_text_is_split_as_the_model_split_it(engines):
     assert split[0] == token("q") and split != ids and tok.decode(split) == text
     assert spellings.split("lazy " + text) == tok.encode("lazy " + text, add_special_tokens=False)
 
+    # The engine's side: only a greedy request's token at a rejection is the model's own choice; a sampled
+    # request's is a draw from the residual distribution and teaches nothing.
+    from types import SimpleNamespace
+
+    from specdecode.structured.speculation import learn_spelling
+    matcher = engines("none").engine.grammar_compiler.matcher(StructuredOutputsParams(regex="(quick brown)+"))
+    for greedy in (False, True):
+        r = SimpleNamespace(matcher=matcher, params=SamplingParams(temperature=0 if greedy else 0.8),
+                            forced_text="quick brown")
+        learn_spelling(r, ids, 0, [token("q")])
+        assert (matcher.spellings.split(text) != ids) == greedy
+
 
 # ---- sampling: the masked target distribution, exactly ----
 LETTERS = StructuredOutputsParams(regex="[a-z]+")

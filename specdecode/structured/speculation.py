@@ -35,9 +35,11 @@ def forced_drafts(requests: list, budgets: list[int]) -> list[list[int]]:
 
 def learn_spelling(request, forced: list[int], accepted: int, emitted: list[int]) -> None:
     """The verifier rejected forced[accepted] and emitted the model's own token there: the grammar's table
-    of spellings learns it (see ``Spellings``)."""
+    of spellings learns it (see ``Spellings``). Greedy requests only: a sampled request's token there is a draw
+    from the residual distribution, not the model's preferred split."""
     m = matcher_of(request)
-    if m is not None and accepted < len(forced) and len(emitted) > accepted and request.forced_text:
+    if (m is not None and request.params.greedy and accepted < len(forced) and len(emitted) > accepted
+            and request.forced_text):
         m.spellings.learn(request.forced_text, forced, accepted, emitted[accepted])
 
 
