@@ -513,7 +513,9 @@ class LLMEngine:
         to ``seqs``, to be computed in the verification pass: one read of the weights for both. Only where
         prompt rows take the decode rows' path (the C++ stack), so each row's result is what a prefill pass
         would give; elsewhere the chunks get their own pass after this one."""
-        if not self.target.chunks_start_anywhere:
+        # (the prompt check first: chunks_start_anywhere checks the layer stack's weights, a few hundred lookups)
+        if (not any(r.prefilling and not r.finished for r in self.scheduler.running)
+                or not self.target.chunks_start_anywhere):
             return {}
         # no preemption here: the requests being verified in this pass must keep their blocks
         chunks = self._prefill_chunks(self.max_num_batched_tokens - self._rows, preempt=False)
