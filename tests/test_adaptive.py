@@ -551,9 +551,7 @@ def test_draft_catch_up_waits_until_a_request_outlives_the_short_answers():
     from types import SimpleNamespace
 
     def request(output: int):
-        return SimpleNamespace(all_token_ids=[1] * (400 + output), num_output_tokens=output, draft_computed=0,
-                               acceptance=Acceptance(decay=1.0, first_ok=8, first_n=10, next_ok=8, next_n=10),
-                               lookup_acceptance=Acceptance())
+        return _request(400, output)
 
     def finished(policy: AdaptiveK, lengths: list[int]) -> None:
         for n in lengths:

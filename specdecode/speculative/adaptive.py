@@ -436,10 +436,10 @@ class StepOption:
 PLAIN = StepOption(False, 0, 1.0)
 
 
-def _fixed(r) -> int:
+def prefix_length(r) -> int:
     """How many tokens the engine drafts for r this step ahead of the proposer's (``draft_prefix``, the text
-    its grammar forces). Every option of r verifies them, and they are counted as emitted: the grammar allows
-    nothing else."""
+    its grammar forces; see proposer.context_of). Every option of r verifies them, and they are counted as
+    emitted: the grammar allows nothing else."""
     return len(getattr(r, "draft_prefix", None) or ())
 
 
@@ -447,10 +447,10 @@ def _free_share(r) -> float:
     """The share of r's output that its grammar does not force (1 without a grammar), judged by its output so
     far and this step's forced text: only those tokens are drafted by the proposer, so only they repay a
     draft model's catch-up."""
-    forced = getattr(r, "num_forced", 0) + _fixed(r)
+    forced = getattr(r, "num_forced", 0) + prefix_length(r)
     if not forced:
         return 1.0
-    return max(0.05, 1.0 - forced / max(1, getattr(r, "num_output_tokens", 0) + _fixed(r)))
+    return max(0.05, 1.0 - forced / max(1, getattr(r, "num_output_tokens", 0) + prefix_length(r)))
 
 
 def _after(opts: list[StepOption], fixed: int) -> list[StepOption]:
@@ -460,7 +460,7 @@ def _after(opts: list[StepOption], fixed: int) -> list[StepOption]:
 
 def _plain(r) -> StepOption:
     """r's plain option: no drafts of the proposer's (forced text is still verified)."""
-    return _after([PLAIN], _fixed(r))[0]
+    return _after([PLAIN], prefix_length(r))[0]
 
 
 class _StepCosts:
@@ -708,7 +708,7 @@ class AdaptiveK:
                 # still being prefilled, or a pause between requests), those steps never come.
                 drafts = []
             positions = lookup_rates[i] if lookup_rates is not None else None
-            looked_up = (_after(_position_options(positions[:lk]), _fixed(r)) if positions and lk
+            looked_up = (_after(_position_options(positions[:lk]), prefix_length(r)) if positions and lk
                          else self._options(r, True, lk, budget, sc))
             opts = [plain] + looked_up + drafts
             options.append(opts)
@@ -749,7 +749,7 @@ class AdaptiveK:
         lag = 0
         if not lookup:
             done = getattr(r, "draft_computed", 0)
-            context = len(r.all_token_ids) + len(getattr(r, "draft_prefix", None) or ())  # see context_of
+            context = len(r.all_token_ids) + prefix_length(r)
             lag = context - done if done else context
         # The draft model's first pass feeds what it has not seen yet: one token after a step it drafted in,
         # the whole context the first time (its prefill) or after sitting out. That extra work buys drafts for
@@ -761,7 +761,7 @@ class AdaptiveK:
         for k in range(1, cap + 1):
             e = expected_tokens(p1, q, k)
             out.append(StepOption(lookup, k, e, extra * (e if spread else 1.0)))
-        return _after(out, _fixed(r))
+        return _after(out, prefix_length(r))
 
     def _probe(self, r, i: int, batch: "_Batch", budget: int, sc: _StepCosts, lk: int, dk: int
                ) -> tuple[bool, int]:

@@ -25,7 +25,7 @@ import bisect
 from array import array
 from collections import OrderedDict
 
-from specdecode.speculative.adaptive import AdaptiveK
+from specdecode.speculative.adaptive import AdaptiveK, prefix_length
 from specdecode.speculative.proposer import Proposal, Proposer
 
 # Occurrences looked at per source and step, latest first: a bound on the work of one lookup.
@@ -184,7 +184,7 @@ class SuffixProposer(Proposer):
         found_rates and score_found."""
         draft, evidence = self._lookup(request, tokens, k)
         # the step's context itself (committed tokens and the engine's prefix), not one extended by drafts
-        if len(tokens) == len(request.all_token_ids) + len(getattr(request, "draft_prefix", None) or ()):
+        if len(tokens) == len(request.all_token_ids) + prefix_length(request):
             request.suffix_found = (draft, evidence)
         return draft
 

@@ -123,9 +123,7 @@ def _after_prefix(probs: torch.Tensor, i: int, prefix: list[int]) -> torch.Tenso
     n = len(prefix)
     probs = torch.cat([probs, probs.new_zeros(probs.shape[0], n, probs.shape[2])], 1)
     probs[i, n:] = probs[i, :-n].clone()
-    probs[i, :n] = 0.0
-    probs[i, torch.arange(n), torch.tensor(prefix)] = 1.0
-    return probs
+    return _one_hot_tail(probs, i, 0, prefix)
 
 
 def mask_rows(request, rows: torch.Tensor, drafts: Sequence[int]) -> torch.Tensor:
