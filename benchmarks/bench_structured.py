@@ -122,8 +122,8 @@ def main() -> None:
     import specdecode.engine.llm_engine as engine_module
     jump_forward = engine_module.constrain_proposal, engine_module.forced_drafts
 
-    def no_jump_forward(reqs, prop, forced, budgets, proposer=None):
-        return prop if proposer is None else jump_forward[0](reqs, prop, forced, budgets, proposer)
+    def no_jump_forward(reqs, prop, forced, budgets, proposer=None, text_lookup=None):
+        return prop if proposer is None else jump_forward[0](reqs, prop, forced, budgets, proposer, text_lookup)
 
     def nothing_forced(reqs, budgets):
         return [[] for _ in reqs]

@@ -231,6 +231,84 @@ def test_forced_text_is_split_as_the_model_split_it(engines):
         assert (matcher.spellings.split(text) != ids) == greedy
 
 
+def test_text_lookup_drafts_the_prompt_phrase_the_output_is_copying(engines):
+    """TextLookup matches the output's last characters (with the step's forced prefix) in the prompt's text,
+    whatever tokens spelled them, and drafts the rest of the prompt's phrase: up to its end, None without a
+    match, nothing where the match ends the phrase."""
+    from specdecode.speculative.text_lookup import TextLookup
+
+    class Req:  # the request fields it reads (requests are weakly referenced, as the engine's are)
+        def __init__(self, **kw):
+            self.__dict__.update(kw)
+
+    tok = engines("none").get_tokenizer()
+    lookup = TextLookup(tok)
+    prompt = "Countries: Denmark (capital Copenhagen), Eldoria; done"
+    r = Req(prompt=prompt, prompt_token_ids=tok.encode(prompt, add_special_tokens=False), text='{"country": "Den')
+    assert tok.decode(lookup.propose(r, [], 8)) == "mark"
+    r.text = '{"country": "Eld'
+    assert tok.decode(lookup.propose(r, [], 8)) == "oria"
+    assert len(lookup.propose(r, [], 1)) == 1
+    r.text = '{"country": "Denmark'
+    assert lookup.propose(r, [], 8) == []
+    r.text = '{"capital": "Co'
+    assert lookup.propose(r, [], 8) is None  # two characters: too short to say what is copied
+    assert tok.decode(lookup.propose(r, tok.encode("pen", add_special_tokens=False), 8)) == "hagen"
+    r.text = '{"x": "Zzz'
+    assert lookup.propose(r, [], 8) is None
+    # the prompt given as token ids only
+    r = Req(prompt=None, prompt_token_ids=tok.encode(prompt, add_special_tokens=False), text="Eld")
+    assert tok.decode(lookup.propose(r, [], 8)) == "oria"
+    assert tok.encode('"', add_special_tokens=False)[0] in lookup.string_closers
+
+
+EXTRACT = [
+    ("Extract every country with its capital: Denmark's capital is Copenhagen; the capital of Argentina is "
+     "Buenos Aires, and Kenya is governed from Nairobi. Answer as a JSON object.",
+     {"type": "object", "properties": {"countries": {"type": "array", "items": {
+         "type": "object", "properties": {"country": {"type": "string"}, "capital": {"type": "string"}},
+         "required": ["country", "capital"]}}}, "required": ["countries"]}),
+    ("List the people and the organizations in this memo: Adamson Emerson, chief executive of Faraday, met "
+     "Dieter Zetsche of Daimler AG in Berlin. Answer as a JSON object.",
+     {"type": "object", "properties": {"people": {"type": "array", "items": {"type": "string"}},
+                                       "organizations": {"type": "array", "items": {"type": "string"}}},
+      "required": ["people", "organizations"]}),
+]
+
+
+def test_default_pair_copies_values_from_the_prompt_exactly(one_thread, monkeypatch):
+    """The real default pair on extraction questions under their schemas: greedy output is constrained plain
+    decoding's token for token with the default policy, and with prompt lookup alone, with and without the text
+    lookup. Prompt lookup by token ids finds little here (the names come out split into other tokens than the
+    prompt's), so the copied drafts raise the accepted drafts."""
+    from specdecode import LLM
+    import specdecode.structured.speculation as spec
+
+    llm = LLM(max_model_len=1024)
+    default = llm.engine.config.speculative
+    convs = [[{"role": "user", "content": q}] for q, _ in EXTRACT]
+    params = [SamplingParams(temperature=0, max_tokens=64, structured_outputs=StructuredOutputsParams(
+        json=schema, disable_any_whitespace=True)) for _, schema in EXTRACT]
+
+    def run(spec_config):
+        llm.engine.set_speculative(spec_config)
+        llm.engine.reset_prefix_cache()
+        stats = llm.engine.spec_stats
+        accepted = stats.num_accepted_tokens
+        outs = [llm.chat(c, p, use_tqdm=False)[0].outputs[0] for c, p in zip(convs, params)]
+        return [list(o.token_ids) for o in outs], stats.num_accepted_tokens - accepted, [o.text for o in outs]
+
+    plain, _, texts = run(None)
+    assert "Copenhagen" in texts[0] and "Zetsche" in texts[1], texts
+    assert run(default)[0] == plain
+    lookup = {"method": "ngram", "num_speculative_tokens": 4}
+    copied, with_copies, _ = run(lookup)
+    monkeypatch.setattr(spec, "_copied_text", lambda *a: [])
+    uncopied, without, _ = run(lookup)
+    assert copied == plain and uncopied == plain
+    assert with_copies >= without + 5, (with_copies, without)
+
+
 # ---- sampling: the masked target distribution, exactly ----
 LETTERS = StructuredOutputsParams(regex="[a-z]+")
 N_SAMPLES = 2000
@@ -380,8 +458,8 @@ def test_sampling_after_forced_text_follows_the_masked_target(blunt_draft_llm, s
 
     fit, behind = eng.constrain_proposal, []  # behind: per step with forced text, the drafts after it
 
-    def constrain(reqs, prop, forced, budgets, proposer=None):
-        out = fit(reqs, prop, forced, budgets, proposer)
+    def constrain(reqs, prop, forced, budgets, proposer=None, text_lookup=None):
+        out = fit(reqs, prop, forced, budgets, proposer, text_lookup)
         behind.extend(len(t) - len(f) for t, f in zip(out.tokens, forced) if f)
         return out
     monkeypatch.setattr(eng, "constrain_proposal", constrain)
@@ -400,6 +478,71 @@ def test_sampling_after_forced_text_follows_the_masked_target(blunt_draft_llm, s
     broken = _tokens_after_forced(llm, params, N_BROKEN, 10 ** 6, ref)
     pval = chi2_pvalue(broken, marg)
     assert pval < ALPHA, f"draft distributions on the wrong rows went unnoticed (p={pval:.2e})"
+
+
+# The prompt's text holds "qz-" and a phrase after it: once the grammar has forced "qz-", the engine's text lookup
+# drafts that phrase (the n-gram proposer, which needs 4 matching tokens, finds nothing to draft).
+COPY_PROMPT = "the 9qz-abcd, then"
+
+
+@pytest.fixture(scope="module")
+def text_lookup_llm(one_thread, llm_cache, sharp_target):
+    return llm_cache.get(sharp_target, speculative_model="[ngram]", num_speculative_tokens=4,
+                         ngram_prompt_lookup_min=4, ngram_prompt_lookup_max=4, max_model_len=64, max_num_seqs=16)
+
+
+def test_sampling_after_a_text_lookup_draft_follows_the_masked_target(text_lookup_llm, sharp_target, monkeypatch):
+    """Behind forced text, a phrase copied from the prompt's text is drafted one-hot in the same step: the token
+    after "qz-" is accepted from it or resampled from the residual, and its law must be the masked target's
+    marginal. The proposer's step here carries draft probabilities (as when another request of the batch drew
+    draft-model tokens), so the copied tokens' rows must be made one-hot; a verifier that leaves them as the
+    proposer's rows accepts the copy every time, which the same test catches."""
+    llm = text_lookup_llm
+    tok = llm.get_tokenizer()
+    prompt = tok.encode(COPY_PROMPT, add_special_tokens=False)
+    params = SamplingParams(temperature=0.7)
+    ref = _after_forced(sharp_target, params, prompt)
+    marg = sum(p for _, p in ref.values())
+    import specdecode.engine.llm_engine as eng
+    import specdecode.structured.speculation as spec
+
+    proposer, V = llm.engine.proposer, llm.engine.target.vocab_size
+
+    def with_probs(reqs, budgets):
+        prop = type(proposer).propose(proposer, reqs, budgets)
+        return eng.Proposal(prop.tokens, torch.zeros(len(reqs), 1, V))
+    monkeypatch.setattr(proposer, "propose", with_probs)
+    copied = []
+
+    def copy(m, r, prefix, budget, lookup):
+        out = spec_copy(m, r, prefix, budget, lookup)
+        copied.append(tok.decode(prefix + out))
+        return out
+    spec_copy = spec._copied_text
+    monkeypatch.setattr(spec, "_copied_text", copy)
+
+    def after_forced(n: int, seed0: int) -> np.ndarray:
+        sps = [params.clone(seed=seed0 + i, max_tokens=6, structured_outputs=FORCED) for i in range(n)]
+        outs = llm.generate(prompt_token_ids=[prompt] * n, sampling_params=sps, use_tqdm=False)
+        picked = []
+        for o in outs:
+            ids = list(o.outputs[0].token_ids)
+            f = ref[ids[0]][0]
+            assert ids[1:1 + len(f)] == f
+            picked.append(ids[1 + len(f)])
+        return np.bincount(picked, minlength=V)
+    counts = after_forced(N_SAMPLES, 0)
+    assert sum(c.startswith("qz-a") for c in copied) >= N_SAMPLES, copied[:10]
+    pval = chi2_pvalue(counts, marg)
+    assert pval > ALPHA, f"the token after a copied draft does not follow the masked target (p={pval:.2e})"
+
+    def pad_only(probs: torch.Tensor, i: int, start: int, toks: list[int]) -> torch.Tensor:
+        need = start + len(toks) - probs.shape[1]
+        return torch.cat([probs, probs.new_zeros(probs.shape[0], need, probs.shape[2])], 1) if need > 0 else probs
+    monkeypatch.setattr(spec, "_one_hot_tail", pad_only)
+    broken = after_forced(N_BROKEN, 10 ** 6)
+    pval = chi2_pvalue(broken, marg)
+    assert pval < ALPHA, f"copied drafts paired with the proposer's rows went unnoticed (p={pval:.2e})"
 
 
 # ---- the server, through the official openai client ----

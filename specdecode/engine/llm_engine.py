@@ -481,7 +481,8 @@ class LLMEngine:
                 for r in reqs:
                     r.draft_prefix = []
         if constrained:
-            prop = constrain_proposal(reqs, prop, forced, budgets, proposer)
+            prop = constrain_proposal(reqs, prop, forced, budgets, proposer,
+                                      self.grammar_compiler.text_lookup if proposer else None)
         drafts = prop.tokens
         self._rows = sum(1 + len(d) for d in drafts)
         seqs = [(r.slot, r.num_computed, [r.all_token_ids[-1]] + d) for r, d in zip(reqs, drafts)]
@@ -506,7 +507,9 @@ class LLMEngine:
                 learn_spelling(r, forced[i], a, emitted)
             if proposer is not None and a >= f:
                 # The proposer learns from its own drafts only; where forced text was rejected, they went untested.
-                proposer.observe(r, drafts[i][f:], a - f, emitted[f:])
+                # Text-lookup drafts are the engine's, not the proposer's: for it, this step drafted nothing.
+                own, ok = ([], 0) if r.text_drafted else (drafts[i][f:], a - f)
+                proposer.observe(r, own, ok, emitted[f:])
 
     def _join_prompts(self, seqs: list[tuple[int, int, list[int]]]) -> dict[Request, int]:
         """Pick the step's prompt chunks (within what the verification rows leave of the budget) and append them

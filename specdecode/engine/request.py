@@ -40,6 +40,7 @@ class Request:
         self.draft_prefix: list[int] = []  # this step's tokens the engine drafts before the proposer's
         self.num_forced = 0  # output tokens that were forced text of its grammar (drafted by the engine)
         self.forced_text = ""  # the text this step's forced drafts spell (with a grammar)
+        self.text_drafted = False  # this step's drafts after the forced ones came from a TextLookup
         # Prefill computes positions [num_computed, prefill_end): the prompt, or after a preemption every token
         # but the newest. Blocks of it may come from the prefix cache (looked up once, before its first chunk).
         self.prefill_end = len(self.prompt_token_ids)

@@ -12,6 +12,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from specdecode.speculative.text_lookup import TextLookup
 from specdecode.structured.params import StructuredOutputsParams
 
 # The longest run of whitespace JSON output may have between two elements. JSON allows any amount, and under a
@@ -126,7 +127,9 @@ class GrammarCompiler:
         self._cache: "OrderedDict[tuple, object]" = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
+        # Per engine, shared by its requests: how the model splits forced text, and where outputs copy their prompts.
         self.spellings = Spellings(tokenizer)
+        self.text_lookup = TextLookup(tokenizer)
 
     def compile(self, params: StructuredOutputsParams):
         """The compiled grammar for params; a ValueError carrying xgrammar's message if it does not compile."""

@@ -44,7 +44,7 @@ def learn_spelling(request, forced: list[int], accepted: int, emitted: list[int]
 
 
 def constrain_proposal(requests: list, prop: Proposal, forced: list[list[int]], budgets: list[int],
-                       proposer=None) -> Proposal:
+                       proposer=None, text_lookup=None) -> Proposal:
     """The step's drafts of each constrained request under its grammar, at most budgets[i] for request i:
     ``forced[i]``, then the proposer's drafts ``prop`` (drafted after forced[i]) fitted to the grammar.
 
@@ -57,6 +57,10 @@ def constrain_proposal(requests: list, prop: Proposal, forced: list[list[int]], 
       rejection sampler resamples from the residual exactly as it would without the grammar.
     - A draft that was not cut is extended with the tokens the grammar forces after it (greedy requests: after
       a cut too); the extension is a function of the tokens before it, one-hot in the draft probabilities.
+    - Where the proposer drafted nothing, ``text_lookup`` (a ``TextLookup``) may: one-hot drafts of the prompt
+      phrase the output is copying, and of the token that closes the quoted value after it, a function of
+      the committed state and the forced tokens. Such a request is marked ``text_drafted``: its proposer
+      drafted nothing this step.
     """
     tokens = [list(d) for d in prop.tokens]
     probs = prop.probs
@@ -68,8 +72,11 @@ def constrain_proposal(requests: list, prop: Proposal, forced: list[list[int]], 
         fixed, d, budget = forced[i], tokens[i], max(0, budgets[i])
         m.advance(fixed)  # forced() returned only tokens the grammar accepts
         try:
+            if text_lookup is not None and not d and budget > len(fixed):
+                d = _copied_text(m, r, fixed, budget - len(fixed), text_lookup)
+            r.text_drafted = bool(d) and not tokens[i]
             keep = m.valid_prefix(d)
-            certain = (r.params.greedy or probs is None or keep == len(d)
+            certain = (r.params.greedy or probs is None or keep == len(d) or r.text_drafted
                        or float(probs[i, keep, d[keep]]) >= 1.0)
             if keep < len(d) and not certain:
                 own, one_hot_from = d[:keep + 1], keep + 1
@@ -84,20 +91,40 @@ def constrain_proposal(requests: list, prop: Proposal, forced: list[list[int]], 
         finally:
             m.rollback(len(fixed))
         own = own[:max(0, budget - len(fixed))]
-        if not fixed and own == d:
+        if not fixed and own == d and not r.text_drafted:
             continue
         changed = True
         tokens[i] = fixed + own
         same = _common(d, own)
-        if proposer is not None and same < len(d):
+        if proposer is not None and same < len(d) and not r.text_drafted:
             # The drafter cached tokens that are no longer drafted: it forgets them past the shared prefix.
             proposer.rollback(r, len(r.all_token_ids) + len(fixed) + same)
         if probs is not None and not r.params.greedy:
             if fixed:
                 probs = _after_prefix(probs, i, fixed)
+            if r.text_drafted:
+                one_hot_from = 0
             if len(own) > one_hot_from:
                 probs = _one_hot_tail(probs, i, len(fixed) + one_hot_from, own[one_hot_from:])
     return Proposal(tokens, probs) if changed else prop
+
+
+def _copied_text(m, request, prefix: list[int], budget: int, lookup) -> list[int]:
+    """The phrase of the prompt the output is copying (``TextLookup``) and, where the phrase ends and the
+    grammar allows it, the first of the lookup's string closers: a value copied into a JSON string ends with
+    the phrase more often than not, and the target spells the quote and what follows as one token (``",``).
+    ``m`` is in the state after ``prefix``."""
+    phrase = lookup.propose(request, prefix, budget)
+    if not phrase:
+        if phrase is None:
+            return []
+    elif m.valid_prefix(phrase) < len(phrase):
+        return phrase
+    if len(phrase) < budget:
+        for c in lookup.string_closers:
+            if m.valid_prefix(phrase + [c]) > len(phrase):
+                return phrase + [c]
+    return phrase
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:
