@@ -256,8 +256,13 @@ def test_text_lookup_drafts_the_prompt_phrase_the_output_is_copying(engines):
     assert tok.decode(lookup.propose(r, tok.encode("pen", add_special_tokens=False), 8)) == "hagen"
     r.text = '{"x": "Zzz'
     assert lookup.propose(r, [], 8) is None
+    # Outside a quoted value's start, a match must be long: in prose, short ones are everywhere.
+    r.text = "The capital"
+    assert lookup.propose(r, [], 8) is None
+    r.text = "As the memo said, Denmark (capital Cop"
+    assert tok.decode(lookup.propose(r, [], 8)) == "enhagen"
     # the prompt given as token ids only
-    r = Req(prompt=None, prompt_token_ids=tok.encode(prompt, add_special_tokens=False), text="Eld")
+    r = Req(prompt=None, prompt_token_ids=tok.encode(prompt, add_special_tokens=False), text='["Eld')
     assert tok.decode(lookup.propose(r, [], 8)) == "oria"
     assert tok.encode('"', add_special_tokens=False)[0] in lookup.string_closers
 
@@ -385,7 +390,8 @@ def test_sampling_follows_the_masked_target(k1_llm, sharp_target, monkeypatch):
 FORCED = StructuredOutputsParams(regex="[a-z]qz-[a-z]+")
 
 
-def _after_forced(model_dir, params: SamplingParams, prompt: list[int]) -> dict[int, tuple[list[int], np.ndarray]]:
+def _after_forced(model_dir, params: SamplingParams, prompt: list[int],
+                  constraint: StructuredOutputsParams = FORCED) -> dict[int, tuple[list[int], np.ndarray]]:
     """Per first token x1 (with its masked probability p1(x1) > 0): the forced tokens after it, as the engine
     drafts them, and p1(x1) times the masked distribution of the token after them. Checks that each forced
     token is the only one its row allows, so that the engine's forced drafts are always accepted."""
@@ -399,7 +405,7 @@ def _after_forced(model_dir, params: SamplingParams, prompt: list[int]) -> dict[
     V = runner.vocab_size
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     m = xgr.GrammarMatcher(_compile(xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(
-        tok, vocab_size=V, stop_token_ids=[0])), FORCED), max_rollback_tokens=-1)
+        tok, vocab_size=V, stop_token_ids=[0])), constraint), max_rollback_tokens=-1)
     bitmask = xgr.allocate_token_bitmask(1, V)
 
     def allowed() -> torch.Tensor:
@@ -480,20 +486,22 @@ def test_sampling_after_forced_text_follows_the_masked_target(blunt_draft_llm, s
     assert pval < ALPHA, f"draft distributions on the wrong rows went unnoticed (p={pval:.2e})"
 
 
-# The prompt's text holds "qz-" and a phrase after it: once the grammar has forced "qz-", the engine's text lookup
-# drafts that phrase (the n-gram proposer, which needs 4 matching tokens, finds nothing to draft).
-COPY_PROMPT = "the 9qz-abcd, then"
+# The prompt's text holds the quoted value '"qz-abcd"': once the grammar has forced '"qz-' (the start of a quoted
+# value), the engine's text lookup drafts the rest of it. The n-gram proposer needs 5 matching tokens; the prompt's
+# '9' before the quote is not the output's first letter, so it finds nothing to draft.
+COPY_PROMPT = 'the 9"qz-abcd", then'
+COPY_FORCED = StructuredOutputsParams(regex='[a-z]"qz-[a-z]+')
 
 
 @pytest.fixture(scope="module")
 def text_lookup_llm(one_thread, llm_cache, sharp_target):
     return llm_cache.get(sharp_target, speculative_model="[ngram]", num_speculative_tokens=4,
-                         ngram_prompt_lookup_min=4, ngram_prompt_lookup_max=4, max_model_len=64, max_num_seqs=16)
+                         ngram_prompt_lookup_min=5, ngram_prompt_lookup_max=5, max_model_len=64, max_num_seqs=16)
 
 
 def test_sampling_after_a_text_lookup_draft_follows_the_masked_target(text_lookup_llm, sharp_target, monkeypatch):
     """Behind forced text, a phrase copied from the prompt's text is drafted one-hot in the same step: the token
-    after "qz-" is accepted from it or resampled from the residual, and its law must be the masked target's
+    after '"qz-' is accepted from it or resampled from the residual, and its law must be the masked target's
     marginal. The proposer's step here carries draft probabilities (as when another request of the batch drew
     draft-model tokens), so the copied tokens' rows must be made one-hot; a verifier that leaves them as the
     proposer's rows accepts the copy every time, which the same test catches."""
@@ -501,7 +509,7 @@ def test_sampling_after_a_text_lookup_draft_follows_the_masked_target(text_looku
     tok = llm.get_tokenizer()
     prompt = tok.encode(COPY_PROMPT, add_special_tokens=False)
     params = SamplingParams(temperature=0.7)
-    ref = _after_forced(sharp_target, params, prompt)
+    ref = _after_forced(sharp_target, params, prompt, COPY_FORCED)
     marg = sum(p for _, p in ref.values())
     import specdecode.engine.llm_engine as eng
     import specdecode.structured.speculation as spec
@@ -522,7 +530,7 @@ def test_sampling_after_a_text_lookup_draft_follows_the_masked_target(text_looku
     monkeypatch.setattr(spec, "_copied_text", copy)
 
     def after_forced(n: int, seed0: int) -> np.ndarray:
-        sps = [params.clone(seed=seed0 + i, max_tokens=6, structured_outputs=FORCED) for i in range(n)]
+        sps = [params.clone(seed=seed0 + i, max_tokens=7, structured_outputs=COPY_FORCED) for i in range(n)]
         outs = llm.generate(prompt_token_ids=[prompt] * n, sampling_params=sps, use_tqdm=False)
         picked = []
         for o in outs:
@@ -532,7 +540,7 @@ def test_sampling_after_a_text_lookup_draft_follows_the_masked_target(text_looku
             picked.append(ids[1 + len(f)])
         return np.bincount(picked, minlength=V)
     counts = after_forced(N_SAMPLES, 0)
-    assert sum(c.startswith("qz-a") for c in copied) >= N_SAMPLES, copied[:10]
+    assert sum(c.startswith('"qz-a') for c in copied) >= N_SAMPLES, copied[:10]
     pval = chi2_pvalue(counts, marg)
     assert pval > ALPHA, f"the token after a copied draft does not follow the masked target (p={pval:.2e})"
 

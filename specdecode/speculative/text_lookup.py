@@ -18,9 +18,13 @@ _CLOSERS = ('",', '"],', '"},', '"]}', '"]', '"}', '"')
 
 
 class TextLookup:
-    def __init__(self, tokenizer, min_chars: int = 3, max_chars: int = 32, max_tokens: int = 4):
+    def __init__(self, tokenizer, min_chars: int = 3, unanchored_chars: int = 16, max_chars: int = 32,
+                 max_tokens: int = 4):
         self.tokenizer = tokenizer
-        self.min_chars = min_chars    # a shorter tail matches too many places to say which one is copied
+        # A match must reach back to the quote that opened the value being written (`"Den` copies a word), or be
+        # long: in prose, a few characters match the prompt everywhere without the output copying it.
+        self.min_chars = min_chars
+        self.unanchored_chars = unanchored_chars
         self.max_chars = max_chars
         self.max_tokens = max_tokens  # each draft adds a verification row, and a copied phrase is short
         self._prompts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -29,7 +33,8 @@ class TextLookup:
         """Up to ``budget`` tokens of the prompt's phrase that the request's output (followed by ``prefix``:
         tokens drafted before these, not yet committed) is copying: the prompt's text after the longest match
         of the output's last characters, up to the phrase's end (``PHRASE_END``, spaces before it dropped). An
-        empty list where the match ends the phrase; None where the output's last ``min_chars`` characters are not in the prompt."""
+        empty list where the match ends the phrase; None without a match of ``min_chars`` characters that
+        begins a quoted value, or of ``unanchored_chars``."""
         tail = request.text[-self.max_chars:]
         if prefix:
             tail = (tail + self.tokenizer.decode(prefix))[-self.max_chars:]
@@ -41,7 +46,8 @@ class TextLookup:
             if found < 0:
                 break
             start, n = found + n, n + 1
-        if start < 0:
+        n -= 1  # the longest match's length
+        if start < 0 or (n < self.unanchored_chars and tail[-n - 1:-n] != '"' and tail[-n] != '"'):
             return None
         end = start
         while end < len(source) and end - start < 8 * self.max_tokens and source[end] not in PHRASE_END:
