@@ -430,9 +430,10 @@ def _after_forced(model_dir, params: SamplingParams, prompt: list[int],
     return out
 
 
-def _tokens_after_forced(llm, params: SamplingParams, n: int, seed0: int, forced: dict) -> np.ndarray:
-    sps = [params.clone(seed=seed0 + i, max_tokens=6, structured_outputs=FORCED) for i in range(n)]
-    outs = llm.generate(prompt_token_ids=[PROMPT[:6]] * n, sampling_params=sps, use_tqdm=False)
+def _tokens_after_forced(llm, params: SamplingParams, n: int, seed0: int, forced: dict, prompt: list[int] = PROMPT[:6],
+                         constraint: StructuredOutputsParams = FORCED, max_tokens: int = 6) -> np.ndarray:
+    sps = [params.clone(seed=seed0 + i, max_tokens=max_tokens, structured_outputs=constraint) for i in range(n)]
+    outs = llm.generate(prompt_token_ids=[prompt] * n, sampling_params=sps, use_tqdm=False)
     picked = []
     for o in outs:
         ids = list(o.outputs[0].token_ids)
@@ -530,15 +531,7 @@ def test_sampling_after_a_text_lookup_draft_follows_the_masked_target(text_looku
     monkeypatch.setattr(spec, "_copied_text", copy)
 
     def after_forced(n: int, seed0: int) -> np.ndarray:
-        sps = [params.clone(seed=seed0 + i, max_tokens=7, structured_outputs=COPY_FORCED) for i in range(n)]
-        outs = llm.generate(prompt_token_ids=[prompt] * n, sampling_params=sps, use_tqdm=False)
-        picked = []
-        for o in outs:
-            ids = list(o.outputs[0].token_ids)
-            f = ref[ids[0]][0]
-            assert ids[1:1 + len(f)] == f
-            picked.append(ids[1 + len(f)])
-        return np.bincount(picked, minlength=V)
+        return _tokens_after_forced(llm, params, n, seed0, ref, prompt, COPY_FORCED, max_tokens=7)
     counts = after_forced(N_SAMPLES, 0)
     assert sum(c.startswith('"qz-a') for c in copied) >= N_SAMPLES, copied[:10]
     pval = chi2_pvalue(counts, marg)
