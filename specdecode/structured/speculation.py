@@ -81,7 +81,8 @@ def constrain_proposal(requests: list, prop: Proposal, forced: list[list[int]], 
             if keep < len(d) and not certain:
                 own, one_hot_from = d[:keep + 1], keep + 1
             else:
-                own, one_hot_from = d[:keep], keep
+                # the proposer's drafts keep their probabilities; copied text is one-hot from its first token
+                own, one_hot_from = d[:keep], 0 if r.text_drafted else keep
                 if keep == len(d) or r.params.greedy:
                     m.advance(own)
                     try:
@@ -102,8 +103,6 @@ def constrain_proposal(requests: list, prop: Proposal, forced: list[list[int]], 
         if probs is not None and not r.params.greedy:
             if fixed:
                 probs = _after_prefix(probs, i, fixed)
-            if r.text_drafted:
-                one_hot_from = 0
             if len(own) > one_hot_from:
                 probs = _one_hot_tail(probs, i, len(fixed) + one_hot_from, own[one_hot_from:])
     return Proposal(tokens, probs) if changed else prop
@@ -115,15 +114,13 @@ def _copied_text(m, request, prefix: list[int], budget: int, lookup) -> list[int
     the phrase more often than not, and the target spells the quote and what follows as one token (``",``).
     ``m`` is in the state after ``prefix``."""
     phrase = lookup.propose(request, prefix, budget)
-    if not phrase:
-        if phrase is None:
-            return []
-    elif m.valid_prefix(phrase) < len(phrase):
+    if phrase is None:
+        return []
+    if m.valid_prefix(phrase) < len(phrase) or len(phrase) >= budget:
         return phrase
-    if len(phrase) < budget:
-        for c in lookup.string_closers:
-            if m.valid_prefix(phrase + [c]) > len(phrase):
-                return phrase + [c]
+    for c in lookup.string_closers:
+        if m.valid_prefix(phrase + [c]) > len(phrase):
+            return phrase + [c]
     return phrase
 
 
