@@ -540,7 +540,7 @@ def test_sampling_after_a_text_lookup_draft_follows_the_masked_target(text_looku
     def pad_only(probs: torch.Tensor, i: int, start: int, toks: list[int]) -> torch.Tensor:
         need = start + len(toks) - probs.shape[1]
         return torch.cat([probs, probs.new_zeros(probs.shape[0], need, probs.shape[2])], 1) if need > 0 else probs
-    monkeypatch.setattr(spec, "_one_hot_tail", pad_only)
+    monkeypatch.setattr(spec, "one_hot_rows", pad_only)
     broken = after_forced(N_BROKEN, 10 ** 6)
     pval = chi2_pvalue(broken, marg)
     assert pval < ALPHA, f"copied drafts paired with the proposer's rows went unnoticed (p={pval:.2e})"

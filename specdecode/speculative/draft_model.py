@@ -10,7 +10,7 @@ from specdecode.engine.model_runner import ModelRunner
 from specdecode.layers.sampler import argmax, logits_to_probs, sample
 from specdecode.speculative.adaptive import AdaptiveK
 from specdecode.speculative.draft_vocab import TruncatedHead
-from specdecode.speculative.proposer import Proposal, Proposer, context_of
+from specdecode.speculative.proposer import Proposal, Proposer, context_of, one_hot_rows, widened
 
 
 # More unseen tokens than this (a prompt after a prefix-cache hit) are fed as a prefill, not as decode rows.
@@ -148,10 +148,10 @@ class DraftModelProposer(Proposer):
             return prop
         probs = prop.probs
         if probs is not None:  # some sampled request used the draft model: give looked-up drafts one-hot rows
-            probs = _widened(probs, max(len(t) for t in lookups + prop.tokens))
+            probs = widened(probs, max(len(t) for t in lookups + prop.tokens))
             for i, found in enumerate(lookups):
                 if found and not requests[i].params.greedy:
-                    probs = _one_hot_rows(probs, i, 0, found)
+                    probs = one_hot_rows(probs, i, 0, found)
         return Proposal([found or drafted for found, drafted in zip(lookups, prop.tokens)], probs)
 
     def _stop_before(self, i: int, step: int, top_p: float, cum: list[float]) -> bool:
@@ -201,7 +201,7 @@ class DraftModelProposer(Proposer):
                 if copied:
                     tokens[i] += copied
                     if probs is not None and not r.params.greedy:
-                        probs = _one_hot_rows(probs, i, len(tokens[i]) - len(copied), copied)
+                        probs = one_hot_rows(probs, i, len(tokens[i]) - len(copied), copied)
                 if copied or len(tokens[i]) >= ks[i]:
                     active.remove(i)
                 else:
@@ -217,17 +217,3 @@ class DraftModelProposer(Proposer):
 
     def rollback(self, request, valid_len: int) -> None:
         request.draft_computed = min(request.draft_computed, valid_len)
-
-
-def _widened(probs: torch.Tensor, width: int) -> torch.Tensor:
-    """[R, K, V] draft probabilities with at least `width` positions (zero rows added)."""
-    need = width - probs.shape[1]
-    return torch.cat([probs, probs.new_zeros(probs.shape[0], need, probs.shape[2])], 1) if need > 0 else probs
-
-
-def _one_hot_rows(probs: torch.Tensor, i: int, start: int, toks: list[int]) -> torch.Tensor:
-    """probs (widened if needed) with request i's rows start.. set to one-hot rows for toks: drafts copied from
-    the context are proposed with certainty."""
-    probs = _widened(probs, start + len(toks))
-    probs[i, torch.arange(start, start + len(toks)), torch.tensor(toks)] = 1.0
-    return probs

@@ -27,6 +27,21 @@ class Proposal:
     probs: torch.Tensor | None = None    # [R, max_k, V] draft distributions; None means one-hot drafts
 
 
+def widened(probs: torch.Tensor, width: int) -> torch.Tensor:
+    """[R, K, V] draft probabilities with at least ``width`` positions (zero rows added)."""
+    need = width - probs.shape[1]
+    return torch.cat([probs, probs.new_zeros(probs.shape[0], need, probs.shape[2])], 1) if need > 0 else probs
+
+
+def one_hot_rows(probs: torch.Tensor, i: int, start: int, toks: list[int]) -> torch.Tensor:
+    """probs (widened if needed) with request i's rows start.. set to one-hot rows for toks: drafts proposed
+    with certainty (copied from the context, or forced by a grammar)."""
+    probs = widened(probs, start + len(toks))
+    probs[i, start:start + len(toks)] = 0.0
+    probs[i, torch.arange(start, start + len(toks)), torch.tensor(toks, dtype=torch.long)] = 1.0
+    return probs
+
+
 class Proposer:
     """Base class: no-op hooks, so a proposer implements only the calls it needs.
 

@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from specdecode.layers.sampler import argmax
-from specdecode.speculative.proposer import Proposal
+from specdecode.speculative.proposer import Proposal, one_hot_rows, widened
 
 
 def matcher_of(request):
@@ -104,7 +104,7 @@ def constrain_proposal(requests: list, prop: Proposal, forced: list[list[int]], 
             if fixed:
                 probs = _after_prefix(probs, i, fixed)
             if len(own) > one_hot_from:
-                probs = _one_hot_tail(probs, i, len(fixed) + one_hot_from, own[one_hot_from:])
+                probs = one_hot_rows(probs, i, len(fixed) + one_hot_from, own[one_hot_from:])
     return Proposal(tokens, probs) if changed else prop
 
 
@@ -133,21 +133,12 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def _one_hot_tail(probs: torch.Tensor, i: int, start: int, toks: list[int]) -> torch.Tensor:
-    need = start + len(toks) - probs.shape[1]
-    if need > 0:
-        probs = torch.cat([probs, probs.new_zeros(probs.shape[0], need, probs.shape[2])], 1)
-    probs[i, start:start + len(toks)] = 0.0
-    probs[i, torch.arange(start, start + len(toks)), torch.tensor(toks)] = 1.0
-    return probs
-
-
 def _after_prefix(probs: torch.Tensor, i: int, prefix: list[int]) -> torch.Tensor:
     """probs with request i's rows moved back by len(prefix), and one-hot rows for the prefix before them."""
     n = len(prefix)
-    probs = torch.cat([probs, probs.new_zeros(probs.shape[0], n, probs.shape[2])], 1)
+    probs = widened(probs, probs.shape[1] + n)
     probs[i, n:] = probs[i, :-n].clone()
-    return _one_hot_tail(probs, i, 0, prefix)
+    return one_hot_rows(probs, i, 0, prefix)
 
 
 def mask_rows(request, rows: torch.Tensor, drafts: Sequence[int]) -> torch.Tensor:
