@@ -314,6 +314,37 @@ def test_default_pair_copies_values_from_the_prompt_exactly(one_thread, monkeypa
     assert with_copies >= without + 5, (with_copies, without)
 
 
+def test_a_finished_grammar_forces_its_stop_token_and_closed_lists_guess_their_close(engines):
+    """Where the grammar allows nothing but a stop token, forced() drafts one: the stop token the model last
+    ended a constrained output with (learned at commit), else the first. After an object closed with no comma,
+    with nothing to copy, the closer of the lists around it is drafted (`]}`), where the grammar allows it."""
+    from specdecode.speculative.text_lookup import TextLookup
+    from specdecode.structured.speculation import _copied_text, commit_token
+
+    llm = engines("none")
+    tok = llm.get_tokenizer()
+    schema = {"type": "object", "properties": {"xs": {"type": "array", "items": {
+        "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}, "required": ["xs"]}
+    compiler = llm.engine.grammar_compiler
+    m = compiler.matcher(StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    assert m.advance(enc('{"xs": [{"n": 1}'))
+    assert m.forced(4) == []  # `,` or `]` may follow
+
+    class Req:
+        prompt, prompt_token_ids, text = "no digits here", [], '{"xs": [{"n": 1}'
+    lookup = TextLookup(tok)
+    guess = _copied_text(m, Req(), [], 4, lookup)
+    assert len(guess) == 1 and tok.decode(guess).startswith("]"), tok.decode(guess)
+    assert m.advance(enc("]}"))
+    stop = m.forced(4)
+    assert stop == [0] and m.forced_text == ""
+    assert commit_token(type("R", (), {"matcher": m})(), 0) and compiler.spellings.stop == 0
+    Req.text = '{"xs": [{"n": 1},'
+    n = compiler.matcher(StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+    assert n.advance(enc('{"xs": [{"n": 1},')) and _copied_text(n, Req(), [], 4, lookup) == []
+
+
 # ---- sampling: the masked target distribution, exactly ----
 LETTERS = StructuredOutputsParams(regex="[a-z]+")
 N_SAMPLES = 2000

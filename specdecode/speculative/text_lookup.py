@@ -13,8 +13,10 @@ import weakref
 
 # Where a copied value most likely ends: the prompt's phrase goes on, the value does not.
 PHRASE_END = frozenset('",.;:!?()[]{}<>\n')
-# Texts that close a quoted value, in the order they are tried: the tokenizer's single tokens for them.
-_CLOSERS = ('",', '"],', '"},', '"]}', '"]', '"}', '"')
+# Texts that close a quoted value, and texts that close the arrays and objects around a value just closed, in
+# the order they are tried: the tokenizer's single tokens for them.
+_STRING_CLOSERS = ('",', '"],', '"},', '"]}', '"]', '"}', '"')
+_BRACKET_CLOSERS = (']}', '}]', ']]', '}}', ']', '}')
 
 
 class TextLookup:
@@ -64,8 +66,16 @@ class TextLookup:
     @functools.cached_property
     def string_closers(self) -> list[int]:
         """Single tokens that end a quoted value (``"``, ``",``, ``"]``, ...), most common first."""
+        return self._single_tokens(_STRING_CLOSERS)
+
+    @functools.cached_property
+    def bracket_closers(self) -> list[int]:
+        """Single tokens that close arrays and objects (``]}``, ``]``, ``}``, ...), most common first."""
+        return self._single_tokens(_BRACKET_CLOSERS)
+
+    def _single_tokens(self, texts: tuple[str, ...]) -> list[int]:
         out = []
-        for text in _CLOSERS:
+        for text in texts:
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             if len(ids) == 1 and ids[0] not in out:
                 out.append(ids[0])

@@ -65,6 +65,9 @@ class Spellings:
         self._first: "OrderedDict[str, int]" = OrderedDict()  # text -> the model's first token of it
         self._size = size
         self._lock = threading.Lock()
+        # The stop token the model ended its last constrained output with: where a grammar allows only stop
+        # tokens (chat models have two, `<|im_end|>` and `<|endoftext|>`), that one is drafted.
+        self.stop: int | None = None
 
     def _piece(self, token: int) -> str:
         return self._tokenizer.decode([token])
@@ -236,14 +239,31 @@ class Matcher:
         mask = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :self.vocab_size]
         return torch.from_numpy(mask.view(np.bool_))
 
+    def _only_stop(self) -> int | None:
+        """Where the grammar has ended and allows nothing but a stop token: the one to draft (the model's
+        last choice, ``Spellings.stop``, where allowed). None elsewhere; checked by offering a stop token
+        first, which fails at once wherever text may still follow."""
+        stops = list(self._m.stop_token_ids)
+        if not stops or not self._m.accept_token(stops[0]):
+            return None
+        self._m.rollback(1)
+        bits = np.zeros((1, self._words), dtype=np.int32)
+        self._m.fill_next_token_bitmask(bits, 0)
+        allowed = np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little")[:self.vocab_size])
+        if not set(allowed.tolist()) <= set(stops):
+            return None
+        return self.spellings.stop if self.spellings.stop in allowed else stops[0]
+
     def forced(self, limit: int) -> list[int]:
         """Up to ``limit`` tokens of the text the grammar forces next (its only legal continuation), split as
-        the model was seen to split it (``Spellings``); empty when the next text is not determined."""
+        the model was seen to split it (``Spellings``); where the grammar has ended, its stop token; empty when
+        the next text is not determined."""
         if limit <= 0 or self._m.is_terminated():
             return []
         text = self.forced_text = self._m.find_jump_forward_string()
         if not text:
-            return []
+            stop = self._only_stop()
+            return [stop] if stop is not None else []
         ids = self.spellings.split(text)[:limit]
         # A standalone split may differ from one the grammar allows; keep the part it accepts.
         return ids[:self.valid_prefix(ids)]

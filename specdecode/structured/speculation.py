@@ -112,10 +112,14 @@ def _copied_text(m, request, prefix: list[int], budget: int, lookup) -> list[int
     """The phrase of the prompt the output is copying (``TextLookup``) and, where the phrase ends and the
     grammar allows it, the first of the lookup's string closers: a value copied into a JSON string ends with
     the phrase more often than not, and the target spells the quote and what follows as one token (``",``).
+    Without a copy, after an object or array closed with no comma: the first bracket closer the grammar allows.
     ``m`` is in the state after ``prefix``."""
     phrase = lookup.propose(request, prefix, budget)
     if phrase is None:
-        return []
+        # An object or array the model closed without a comma after it is the last of its list: the lists
+        # around it most likely close next (the model spells "another item follows" as `},` or `],`).
+        closers = lookup.bracket_closers if not prefix and request.text.endswith(("}", "]")) else ()
+        return next(([c] for c in closers if m.valid_prefix([c])), [])
     if m.valid_prefix(phrase) < len(phrase) or len(phrase) >= budget:
         return phrase
     for c in lookup.string_closers:
@@ -168,4 +172,7 @@ def commit_token(request, token: int) -> bool:
     if not m.advance([token]):
         # Cannot happen for tokens drawn from masked rows; a loud error beats silently unconstrained output.
         raise RuntimeError(f"token {token} violates the request's grammar")
-    return m.is_terminated()
+    if m.is_terminated():
+        m.spellings.stop = token  # the stop token the model chose: drafted where a grammar ends (Matcher.forced)
+        return True
+    return False
