@@ -244,13 +244,10 @@ class Matcher:
         last choice, ``Spellings.stop``, where allowed). None elsewhere; checked by offering a stop token
         first, which fails at once wherever text may still follow."""
         stops = list(self._m.stop_token_ids)
-        if not stops or not self._m.accept_token(stops[0]):
+        if not stops or not self.valid_prefix(stops[:1]):
             return None
-        self._m.rollback(1)
-        bits = np.zeros((1, self._words), dtype=np.int32)
-        self._m.fill_next_token_bitmask(bits, 0)
-        allowed = np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little")[:self.vocab_size])
-        if not set(allowed.tolist()) <= set(stops):
+        allowed = set(torch.nonzero(self.allowed()[0]).flatten().tolist())
+        if not allowed <= set(stops):
             return None
         return self.spellings.stop if self.spellings.stop in allowed else stops[0]
 

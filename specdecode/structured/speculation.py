@@ -118,14 +118,21 @@ def _copied_text(m, request, prefix: list[int], budget: int, lookup) -> list[int
     if phrase is None:
         # An object or array the model closed without a comma after it is the last of its list: the lists
         # around it most likely close next (the model spells "another item follows" as `},` or `],`).
-        closers = lookup.bracket_closers if not prefix and request.text.endswith(("}", "]")) else ()
-        return next(([c] for c in closers if m.valid_prefix([c])), [])
+        if prefix or not request.text.endswith(("}", "]")):
+            return []
+        return _first_allowed(m, lookup.bracket_closers)
     if m.valid_prefix(phrase) < len(phrase) or len(phrase) >= budget:
         return phrase
-    for c in lookup.string_closers:
-        if m.valid_prefix(phrase + [c]) > len(phrase):
-            return phrase + [c]
-    return phrase
+    m.advance(phrase)
+    try:
+        return phrase + _first_allowed(m, lookup.string_closers)
+    finally:
+        m.rollback(len(phrase))
+
+
+def _first_allowed(m, candidates: list[int]) -> list[int]:
+    """The first of ``candidates`` the grammar allows next, as a one-token list (empty if none is)."""
+    return next(([c] for c in candidates if m.valid_prefix([c])), [])
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:
