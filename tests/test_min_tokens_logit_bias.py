@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers_spec import copy_model, edit_config, llm_cache, one_thread, sharp_draft, sharp_target  # noqa: F401
-from test_sampling_distribution import ALPHA, chi2_pvalue
+from test_sampling_distribution import ALPHA, chi2_pvalue, unseeded
 
 from specdecode import SamplingParams
 from specdecode.layers.sampler import logits_to_probs, request_logits
@@ -235,7 +235,7 @@ def _processed_marginal(model_dir, params: SamplingParams, prompt: list[int], eo
 
 
 def _second_tokens(llm, params: SamplingParams, n: int, seed0: int) -> np.ndarray:
-    sps = [params.clone(seed=seed0 + i, max_tokens=3) for i in range(n)]
+    sps = unseeded(params, n, seed0, max_tokens=3)
     outs = llm.generate(prompt_token_ids=[PROMPT[:6]] * n, sampling_params=sps, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) >= 2 for o in outs)
     return np.bincount([o.outputs[0].token_ids[1] for o in outs], minlength=llm.engine.target.vocab_size)

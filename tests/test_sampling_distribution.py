@@ -219,11 +219,21 @@ def _target_marginals(model_dir, params: SamplingParams, prompt: list[int] = PRO
     return p1.numpy(), marg.numpy()
 
 
+def unseeded(params: SamplingParams, n: int, seed0: int, **kw) -> list[SamplingParams]:
+    """n requests without a seed of their own, the global generator seeded with seed0 so that the test is
+    reproducible: they take the rejection sampler's draws. (A seeded request takes the per-position noise
+    path instead, tested on its own.)"""
+    torch.manual_seed(seed0)
+    return [params.clone(seed=None, **kw) for _ in range(n)]
+
+
 def _sample(llm, params: SamplingParams, n: int, seed0: int, prompt: list[int] = PROMPT,
-            max_tokens: int = K_E2E + 2, positions: tuple[int, ...] = (0, 1)) -> tuple[np.ndarray, ...]:
+            max_tokens: int = K_E2E + 2, positions: tuple[int, ...] = (0, 1),
+            seeded: bool = False) -> tuple[np.ndarray, ...]:
     """Counts of the generated tokens at ``positions`` (default: the 1st and the 2nd) over n independent
-    requests (one seed each)."""
-    sps = [params.clone(seed=seed0 + i, max_tokens=max_tokens, ignore_eos=True) for i in range(n)]
+    requests (``seeded``: one seed each, else the global generator's draws)."""
+    sps = ([params.clone(seed=seed0 + i, max_tokens=max_tokens, ignore_eos=True) for i in range(n)] if seeded
+           else unseeded(params, n, seed0, max_tokens=max_tokens, ignore_eos=True))
     outs = llm.generate(prompt_token_ids=[prompt] * n, sampling_params=sps, use_tqdm=False)
     V_ = llm.engine.target.vocab_size
     return tuple(np.bincount([o.outputs[0].token_ids[i] for o in outs], minlength=V_) for i in positions)
@@ -255,6 +265,36 @@ def test_end_to_end_second_token_marginal(setting, e2e_llm, sharp_target, monkey
     # The same check catches a sampler that accepts every draft token.
     monkeypatch.setattr(rs, "accept_mask", accept_everything)
     _, broken = _sample(e2e_llm, params, N_BROKEN, seed0=10**6)
+    pval = chi2_pvalue(broken, marg)
+    assert pval < ALPHA, f"the broken sampler went unnoticed (p={pval:.2e})"
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_end_to_end_seeded_requests_follow_the_target(setting, e2e_llm, sharp_target, monkeypatch):
+    """Seeded requests draw each token as the argmax of its probabilities over the position's noise
+    (``PositionNoise``), and the draft model guesses with the same noise. Over seeds, the 2nd token must still
+    follow the target's marginal, with drafts verified at every request; the same seeds give the same tokens
+    again. A sampler whose noise ignores the position is caught: the two tokens then share one draw."""
+    params = SamplingParams(**SETTINGS[setting])
+    p1, marg = _target_marginals(sharp_target, params)
+    stats = e2e_llm.spec_decode_metrics
+    before = stats.num_accepted_tokens, stats.num_draft_tokens
+    first, second = _sample(e2e_llm, params, N_E2E, seed0=3 * 10**5, seeded=True)
+    acc, drafted = stats.num_accepted_tokens - before[0], stats.num_draft_tokens - before[1]
+    assert drafted >= N_E2E and 0 < acc < drafted
+    pval = chi2_pvalue(first, p1)
+    assert pval > ALPHA, f"1st token of seeded sampling does not follow the target (p={pval:.2e})"
+    pval = chi2_pvalue(second, marg)
+    assert pval > ALPHA, f"2nd token of seeded speculative sampling does not follow the target (p={pval:.2e})"
+    # The same seeds in another order (other batches, other drafts): the same tokens.
+    sps = [params.clone(seed=3 * 10**5 + i, max_tokens=K_E2E + 2, ignore_eos=True) for i in range(64)]
+    run = lambda ps: [list(o.outputs[0].token_ids) for o in  # noqa: E731
+                      e2e_llm.generate(prompt_token_ids=[PROMPT] * len(ps), sampling_params=ps, use_tqdm=False)]
+    assert run(sps) == run(sps[::-1])[::-1]
+
+    import specdecode.layers.sampler as sampler_mod
+    monkeypatch.setattr(sampler_mod, "_splitmix64", lambda x: 0x2545F4914F6CDD1D)  # every position: one noise
+    _, broken = _sample(e2e_llm, params, N_BROKEN, seed0=4 * 10**5, seeded=True)
     pval = chi2_pvalue(broken, marg)
     assert pval < ALPHA, f"the broken sampler went unnoticed (p={pval:.2e})"
 
@@ -397,3 +437,12 @@ def test_end_to_end_third_token_with_confidence_stops_and_opened_copies(e2e_llm_
     (broken,) = _sample(e2e_llm_copy, params, N_BROKEN, seed0=10**7, prompt=prompt, max_tokens=4, positions=(2,))
     pval = chi2_pvalue(broken, marg)
     assert pval < ALPHA, f"the broken sampler went unnoticed (p={pval:.2e})"
+
+
+def test_a_top_p_below_float32_range_keeps_the_most_likely_token():
+    """top_p = 1e-46 is valid (in (0, 1]) but is 0 in float32: the nucleus must still hold the top token, not
+    nothing (which gave NaN probabilities and a failed request)."""
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.9]])
+    for top_p in (1e-46, 1e-30):
+        probs = logits_to_probs(logits, [SamplingParams(temperature=1.0, top_p=top_p)])
+        assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]

@@ -227,6 +227,33 @@ def test_same_seed_same_text_with_or_without_other_requests(proposer, one_thread
     assert other.token_ids != alone.token_ids
 
 
+@pytest.mark.parametrize("proposer", ["draft", "ngram"])
+def test_same_seed_same_text_with_and_without_speculation(proposer, one_thread, llm_cache, tiny_models,
+                                                          noisy_drafts):
+    """A seeded request's text is a function of its seed alone (vLLM's promise), whatever the drafts: plain
+    decoding and speculation at two depths give the same tokens, twice."""
+    target = tiny_models["llama"]
+    spec_model = noisy_drafts["llama"] if proposer == "draft" else "[ngram]"
+    plain = llm_cache.get(target, max_num_seqs=2)
+    engines = [llm_cache.get(target, speculative_model=spec_model, num_speculative_tokens=k, max_num_seqs=2)
+               for k in (2, 4)]
+    params = [SamplingParams(temperature=t, top_p=tp, seed=seed, max_tokens=24, ignore_eos=True)
+              for seed, (t, tp) in enumerate([(0.8, 1.0), (1.0, 0.9), (0.6, 1.0), (1.2, 0.95)])]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params,
+                                                            use_tqdm=False)]
+    for llm in engines:
+        for rnd in range(2):
+            before = llm.spec_decode_metrics.num_draft_tokens, llm.spec_decode_metrics.num_accepted_tokens
+            outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outs] == want, f"round {rnd}"
+            m = llm.spec_decode_metrics
+            assert m.num_draft_tokens > before[0]
+            # (n-gram drafts of random text are rarely right; the draft model's often are)
+            assert m.num_accepted_tokens > before[1] or proposer == "ngram"
+    assert len({tuple(w) for w in want}) == len(want)
+
+
 def test_same_seed_same_text_across_engines(one_thread, tiny_models, noisy_drafts):
     """A fresh engine with a different engine seed and batch size gives the seeded request the same text."""
     kw = dict(speculative_model=str(noisy_drafts["qwen2"]), num_speculative_tokens=2, max_model_len=128)

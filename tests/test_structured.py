@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers_spec import llm_cache, one_thread, sharp_draft, sharp_target  # noqa: F401  (fixtures)
-from test_sampling_distribution import ALPHA, chi2_pvalue
+from test_sampling_distribution import ALPHA, chi2_pvalue, unseeded
 
 from specdecode import SamplingParams
 from specdecode.layers.sampler import logits_to_probs
@@ -382,7 +382,7 @@ def _masked_marginals(model_dir, params: SamplingParams, prompt: list[int]) -> t
 
 
 def _second_tokens(llm, params: SamplingParams, n: int, seed0: int) -> np.ndarray:
-    sps = [params.clone(seed=seed0 + i, max_tokens=3, structured_outputs=LETTERS) for i in range(n)]
+    sps = unseeded(params, n, seed0, max_tokens=3, structured_outputs=LETTERS)
     outs = llm.generate(prompt_token_ids=[PROMPT[:6]] * n, sampling_params=sps, use_tqdm=False)
     assert all(o.outputs[0].finish_reason in ("stop", "length") for o in outs)
     return np.bincount([o.outputs[0].token_ids[1] for o in outs], minlength=llm.engine.target.vocab_size)
@@ -463,7 +463,7 @@ def _after_forced(model_dir, params: SamplingParams, prompt: list[int],
 
 def _tokens_after_forced(llm, params: SamplingParams, n: int, seed0: int, forced: dict, prompt: list[int] = PROMPT[:6],
                          constraint: StructuredOutputsParams = FORCED, max_tokens: int = 6) -> np.ndarray:
-    sps = [params.clone(seed=seed0 + i, max_tokens=max_tokens, structured_outputs=constraint) for i in range(n)]
+    sps = unseeded(params, n, seed0, max_tokens=max_tokens, structured_outputs=constraint)
     outs = llm.generate(prompt_token_ids=[prompt] * n, sampling_params=sps, use_tqdm=False)
     picked = []
     for o in outs:

@@ -218,7 +218,7 @@ class LLMEngine:
         children = []
         for i in range(params.n):
             p = params if params.n == 1 or params.seed is None else params.clone(seed=(params.seed + i) % 2 ** 64)
-            children.append(Request(request_id, text, ids, p, self.tokenizer, max_tokens, self.target.device, i))
+            children.append(Request(request_id, text, ids, p, self.tokenizer, max_tokens, i))
         if params.structured_outputs is not None:  # compiled before queueing: a bad constraint is the caller's error
             for child in children:
                 child.matcher = self.grammar_compiler.matcher(params.structured_outputs)
@@ -385,10 +385,9 @@ class LLMEngine:
         """run(reqs), such that a request whose own numbers break the step fails alone.
 
         If the batch raises, every request it did not commit yet is run again on its own, from the same
-        state: its KV lengths and its seeded generator are put back as they were. Rows are computed
-        independently of what shares their pass, so the others' results are exactly what the batch would
-        have given."""
-        states = {id(r): r.generator.get_state() for r in reqs if r.generator is not None}
+        state: its KV lengths are put back as they were (a seeded request's noise is a function of the
+        position, so it draws the same again). Rows are computed independently of what shares their pass, so the
+        others' results are exactly what the batch would have given."""
         lengths = {id(r): len(r.all_token_ids) for r in reqs}
         cached = {id(r): (r.num_computed, r.draft_computed) for r in reqs}
         try:
@@ -401,8 +400,6 @@ class LLMEngine:
         for r in reqs:
             if r.finished or len(r.all_token_ids) != lengths[id(r)]:
                 continue  # committed before the failure: its step is done
-            if id(r) in states:
-                r.generator.set_state(states[id(r)])
             # KV written by the failed attempt lies past these lengths: a length change is the whole rollback
             r.num_computed, r.draft_computed = cached[id(r)]
             self._isolated(run, [r])
@@ -443,7 +440,7 @@ class LLMEngine:
             if r.prefilling or r.resumed:
                 continue
             result = rejection_sample(self._target_probs([r], [lg[None]], [[]]), [[]], [0], None,
-                                      [r.params.greedy], [r.generator])
+                                      [r.argmax_rows], [None])
             r.metrics.first_token_time = time.time()
             if self.proposer is not None:
                 self.proposer.prefill(r)
@@ -529,21 +526,29 @@ class LLMEngine:
     def _rejection_sample(self, reqs: list[Request], logits: list[torch.Tensor], prop: Proposal):
         drafts, draft_probs = prop.tokens, prop.probs
         return rejection_sample(self._target_probs(reqs, logits, drafts), drafts, [len(d) for d in drafts],
-                                draft_probs, [r.params.greedy for r in reqs], [r.generator for r in reqs])
+                                draft_probs, [r.argmax_rows for r in reqs], [None] * len(reqs))
 
     def _target_probs(self, reqs: list[Request], logits: list[torch.Tensor],
                       drafts: list[list[int]]) -> list[torch.Tensor]:
         """Per request, its [len(drafts) + 1, V] target distributions; row j assumes drafts[i][:j] were accepted.
         A greedy request's rows are its processed logits: the rejection sampler only takes their argmax, which
         is that of the one-hot distribution, and a one-hot over the vocabulary per row cost several passes over
-        it."""
+        it. A seeded request's rows are its probabilities over each position's noise (``PositionNoise``): its
+        token there is their argmax too."""
         processed = []
         for r, lg, d in zip(reqs, logits, drafts):
             # Row j follows the output and d[:j]: logit_bias, min_tokens and penalties per row, then the grammar's
             # mask (structured outputs: the grammar state after d[:j]).
             grammar = (lambda x, r=r, d=d: mask_rows(r, x, d)) if matcher_of(r) is not None else None
             rows = request_logits(lg[:len(d) + 1], r.params, r.output_token_ids, d, self.eos_token_ids, grammar)
-            processed.append(rows.float() if r.params.greedy else logits_to_probs(rows, [r.params] * len(rows)))
+            if r.params.greedy:
+                processed.append(rows.float())
+                continue
+            probs = logits_to_probs(rows, [r.params] * len(rows))
+            if r.noise is not None:
+                r.noise.forget_before(r.num_output_tokens)
+                probs = r.noise.scores(probs, r.num_output_tokens)
+            processed.append(probs)
         return processed
 
     def _commit(self, r: Request, tokens: list[int], logits: torch.Tensor) -> None:

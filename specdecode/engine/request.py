@@ -4,8 +4,7 @@ from __future__ import annotations
 import enum
 import time
 
-import torch
-
+from specdecode.layers.sampler import PositionNoise
 from specdecode.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from specdecode.sampling_params import SamplingParams
 from specdecode.speculative.adaptive import Acceptance
@@ -20,7 +19,7 @@ class Status(enum.Enum):
 
 class Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 tokenizer, max_tokens: int, device: torch.device, index: int = 0):
+                 tokenizer, max_tokens: int, index: int = 0):
         self.request_id = request_id
         self.index = index  # which of the parent's n samples this is
         self.prompt = prompt
@@ -46,10 +45,9 @@ class Request:
         self.prefill_end = len(self.prompt_token_ids)
         self.prefix_checked = False
         self.resumed = False  # preempted and admitted again: its prefill samples nothing
-        self.generator: torch.Generator | None = None
-        if params.seed is not None and not params.greedy:
-            self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(params.seed)
+        # Unseeded sampling draws from the global generator; a seed gives noise per output position instead
+        # (PositionNoise), which makes the text independent of the drafts, the batch and earlier requests.
+        self.noise = PositionNoise(params.seed) if params.seed is not None and not params.greedy else None
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
         self.text = ""        # the output text, truncated at a stop string
         self.sent_text = 0    # chars of text already streamed
@@ -78,6 +76,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def argmax_rows(self) -> bool:
+        """Whether each of this request's tokens is the argmax of its row: the logits' for greedy requests,
+        probabilities over the position's noise for seeded ones (``PositionNoise``)."""
+        return self.params.greedy or self.noise is not None
 
     @property
     def finished(self) -> bool:

@@ -137,6 +137,7 @@ def logits_to_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
             sorted_p, idx = pr.sort(descending=True)
             # keep the smallest prefix whose mass reaches top_p (the token that crosses it stays)
             drop_sorted = (sorted_p.cumsum(0) - sorted_p) >= p.top_p
+            drop_sorted[0] = False  # the most likely token always stays (a top_p below float32's range is 0)
             pr = pr.masked_fill(torch.zeros_like(drop_sorted).scatter_(0, idx, drop_sorted), 0.0)
         if p.min_p > 0.0:
             pr = pr.masked_fill(pr < p.min_p * pr.max(), 0.0)
@@ -149,6 +150,55 @@ def logits_to_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+_MASK64 = 2 ** 64 - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+class PositionNoise:
+    """A seeded request's randomness: one vector of Exp(1) noise per output position, a function of the seed
+    and the position alone. The token at a position is argmax(p / noise) (the exponential race: token i wins
+    with probability p_i), so a seeded request's output is a function of its seed and its distributions only.
+
+    Why not a generator's stream: with speculation, how many draws a step takes depends on its drafts, and
+    those depend on what the proposer learned from other requests and on the batch. Drawn per position, the
+    same seed gives the same text with or without speculation, in any batch, after any earlier requests. The
+    draft model draws its guess for a position with the same noise as the verifier, so a draft that agrees
+    with the target's distribution is accepted as often as the two agree."""
+
+    def __init__(self, seed: int):
+        self.seed = seed & _MASK64
+        self._rows: dict[tuple[int, int], torch.Tensor] = {}
+
+    def row(self, position: int, size: int, device: torch.device | str) -> torch.Tensor:
+        key = (position, size)
+        noise = self._rows.get(key)
+        if noise is None or noise.device != torch.device(device):
+            g = torch.Generator(device=device)
+            g.manual_seed(_splitmix64(self.seed ^ _splitmix64(position)))
+            # -log(u) for u in [0, 1): never 0, so a token of probability 0 scores 0 and is never chosen
+            noise = torch.rand(size, generator=g, device=device).log_().neg_()
+            self._rows[key] = noise
+        return noise
+
+    def scores(self, probs: torch.Tensor, start: int) -> torch.Tensor:
+        """probs [n, V] for the positions start.. -> scores whose row argmax is each position's token."""
+        return probs / torch.stack([self.row(start + j, probs.shape[-1], probs.device) for j in range(len(probs))])
+
+    def choose(self, probs: torch.Tensor, position: int) -> int:
+        return int(argmax(probs / self.row(position, probs.shape[-1], probs.device)))
+
+    def forget_before(self, position: int) -> None:
+        """Positions before this one are committed: their noise is never read again."""
+        for key in [k for k in self._rows if k[0] < position]:
+            del self._rows[key]
 
 
 def logprobs_of(logits: torch.Tensor, token: int, top_n: int) -> dict[int, float]:

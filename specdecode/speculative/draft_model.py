@@ -194,7 +194,10 @@ class DraftModelProposer(Proposer):
                     active.remove(i)
                     continue
                 if not r.params.greedy:  # drawn only now: whether to draft it did not depend on it
-                    tok = sample(p, r.generator)
+                    # a seeded request's guess uses the noise the verifier will use at that position
+                    noise = getattr(r, "noise", None)
+                    tok = (sample(p, None) if noise is None
+                           else noise.choose(p, r.num_output_tokens + len(r.draft_prefix) + len(tokens[i])))
                     probs[i, step] = p
                 tokens[i].append(tok)
                 copied = extend(i, tokens[i]) if extend is not None else []

@@ -3,7 +3,9 @@
 Random rows follow Leviathan et al. (2023): accept draft d_i with probability min(1, p(d_i) / q(d_i)); at the
 first rejection emit a token from normalise(max(0, p - q)); if every draft is accepted, emit a bonus token
 from p at the next position. The emitted sequence is then distributed exactly as sampling from p alone.
-Greedy rows accept while the draft equals the target argmax and then emit the target argmax.
+Greedy rows accept while the draft equals the target argmax and then emit the target argmax. Seeded requests
+take the same path on their probabilities over each position's noise (``PositionNoise``): the argmax of such a
+row is a draw from it, fixed by the seed and the position, so their text does not depend on the drafts.
 N-gram drafts are one-hot (q(d_i) = 1), which the same formulas cover.
 """
 from __future__ import annotations
