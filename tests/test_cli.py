@@ -115,6 +115,9 @@ def test_user_errors_are_one_line_exit_2(tiny_models, tmp_path, capsys):
     llama = tiny_models["llama"]
     check(["generate", "--draft", "0", "-p", "hi"], "--draft")                       # bad flag value
     check(["generate", "-m", llama, "--temp", "abc"], "--temp")
+    check(["generate", "-m", llama, "--temp", "-1"], "--temp", "must be >= 0.0, got -1")
+    check(["generate", "-m", llama, "--top-p", "0"], "--top-p", "must be in (0.0, 1.0], got 0")
+    check(["generate", "-m", llama, "-p", "hi", "--max-model-len", "2048"], "--max-model-len 2048", "1024")
     check(["bench", "--dataset", tmp_path / "missing.jsonl"], "missing.jsonl")       # bad dataset path
     check(["bench", "--dataset", "humaneval", "--method", "foo"], "unknown method")
     check(["generate", "-m", llama, "-md", tmp_path / "no-draft"], "no-draft")       # missing draft
@@ -124,6 +127,29 @@ def test_user_errors_are_one_line_exit_2(tiny_models, tmp_path, capsys):
     # a ValueError raised by the engine (here: the prompt does not fit the context) is a user error too
     check(["generate", "-m", llama, "-md", "none", "-t", 1, "--max-model-len", "8", "-p", "The quick brown fox " * 4],
           "max_model_len")
+
+
+def test_generate_exits_1_when_the_request_fails(tiny_models, monkeypatch, capsys):
+    """A request that fails in the engine (here: a NaN temperature that validation would have refused) makes
+    generate exit 1, not 0; --json still reports what happened."""
+    from specdecode.entrypoints.cli import generate
+
+    real = generate.sampling_params
+
+    def poisoned(args, max_tokens=None):
+        params = real(args, max_tokens)
+        params.temperature = float("nan")  # set after validation: the engine's sampler fails the request
+        return params
+
+    monkeypatch.setattr(generate, "sampling_params", poisoned)
+    assert main(["generate", "-m", str(tiny_models["llama"]), "-md", "none", "-t", "1", "-p", "hi", "-n", "4",
+                 "--temp", "1", "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["finish_reason"] == "error" and out["error"]
+    monkeypatch.setattr(generate, "sampling_params", real)
+    assert main(["generate", "-m", str(tiny_models["llama"]), "-md", "none", "-t", "1", "-p", "hi", "-n", "4",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["error"] is None
 
 
 def test_chat_through_stdin(tiny_models):

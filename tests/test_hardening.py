@@ -344,6 +344,13 @@ MALFORMED = [
     _json(CH, {"messages": MSG, "response_format": {"type": "yaml"}}),
     _json(CH, {"messages": MSG, "guided_grammar": 'root ::= "a" | ('}),
     _json(CH, {"messages": MSG, "max_completion_tokens": 0}),
+    _json(CH, {"messages": [{"role": "wizard", "content": "hi"}]}),
+    _json(CH, {"messages": [{"role": "user", "content": None}]}),
+    _json(CH, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}),
+    _json(CH, {"messages": MSG + [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}),
+    _json(CH, {"messages": MSG, "stream_options": {"include_usage": True}}),
+    _json(C, {"prompt": "x", "stop_token_ids": [99999999]}),
     _json(CH, {"messages": MSG, "seed": -(2 ** 64)}),
     # routes and methods
     ("/v1/completions", None, 405, None),

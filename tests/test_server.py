@@ -149,13 +149,27 @@ def test_streaming_equals_plain(client):
     messages = [{"role": "user", "content": "Hello there"}]
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0)
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0,
-                                                 stream=True))
+                                                 stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.choices[0].message.content
-    # without include_usage the final chunk still carries usage and the spec-decode summary
-    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
-    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert chunks[-2].choices[0].finish_reason == plain.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
     assert "spec_decode" in chunks[-1].model_extra
+
+
+def test_usage_streams_only_when_asked(url):
+    """OpenAI and vLLM send the usage chunk only with stream_options.include_usage; stream_options without
+    stream is a 400 (vLLM)."""
+    for path, body in (("/v1/completions", {"prompt": "Hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+        body = {"model": MODEL, "max_tokens": 5, **body}
+        with httpx.stream("POST", f"{url}{path}", json={**body, "stream": True}, timeout=30) as resp:
+            events = sse_events(resp)
+        assert events[-1] == "[DONE]"
+        assert not any("usage" in e or "spec_decode" in e for e in events[:-1]), events[-2]
+        assert events[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+        err = _err(httpx.post(f"{url}{path}", json={**body, "stream_options": {"include_usage": True}}), 400)
+        assert err["param"] == "stream_options"
 
 
 def test_sse_wire_format(url):
@@ -341,7 +355,7 @@ def _err(resp: httpx.Response, status: int, code: str | None = None) -> dict:
     ("/v1/completions", {"max_tokens": 3}, "prompt"),
     ("/v1/completions", {"prompt": {"text": "x"}}, "prompt"),
     ("/v1/completions", {"prompt": []}, "prompt"),
-    ("/v1/completions", {"prompt": [1, 2, 99999]}, None),
+    ("/v1/completions", {"prompt": [1, 2, 99999]}, "prompt"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
@@ -354,6 +368,71 @@ def test_invalid_params_400(url, path, body, param):
     assert err["type"] == "invalid_request_error"
     if param is not None:
         assert err["param"] == param or (err["param"] or "").startswith(param), err
+
+
+C, CH = "/v1/completions", "/v1/chat/completions"
+MSG = [{"role": "user", "content": "hi"}]
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+SCHEMA_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("path,body,param", [
+    # the field is named exactly, never a word of the message ("Invalid", "Give")
+    (CH, {"messages": MSG, "guided_choice": []}, "guided_choice"),
+    (CH, {"messages": MSG, "structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    (CH, {"messages": MSG, "guided_json": {"type": "object"}, "response_format": {"type": "json_object"}},
+     "guided_json"),
+    (CH, {"messages": MSG, "tool_choice": "required", "tools": [
+        SCHEMA_TOOL, {"type": "function", "function": {"name": "g", "parameters": {"type": "nonsense"}}}]},
+     "tools.1.function.parameters"),
+    (CH, {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "s", "schema": {"type": "nonsense"}}}}, "response_format.json_schema.schema"),
+    (CH, {"messages": MSG, "guided_regex": "(ab"}, "guided_regex"),
+    (CH, {"messages": MSG, "guided_grammar": 'root ::= "a" | ('}, "guided_grammar"),
+    (C, {"prompt": [999999999]}, "prompt"),
+    (C, {"prompt": [-1]}, "prompt"),
+    (C, {"prompt": "x", "temperature": -1}, "temperature"),
+    (CH, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.0.content.0.image_url"),
+    (CH, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content.0.type"),
+    # a text part without its text, unknown roles, missing content
+    (CH, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0.text"),
+    (CH, {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    (CH, {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user"}]}, "messages.1.content"),
+    (CH, {"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
+    (CH, {"messages": MSG + [{"role": "assistant", "content": None}]}, "messages.1.content"),
+    # assistant tool_calls arguments: a JSON object in a string
+    (CH, {"messages": MSG + [{"role": "assistant", "tool_calls": [
+        CALL, {**CALL, "function": {"name": "f", "arguments": "{city: Paris"}}]}]},
+     "messages.1.tool_calls.1.function.arguments"),
+    (CH, {"messages": MSG + [{"role": "assistant", "content": None, "tool_calls": [
+        {**CALL, "function": {"name": "f", "arguments": '["Paris"]'}}]}]},
+     "messages.1.tool_calls.0.function.arguments"),
+    # token ids outside the vocabulary, wherever they are given
+    (CH, {"messages": MSG, "stop_token_ids": [99999999]}, "stop_token_ids"),
+    (C, {"prompt": "x", "stop_token_ids": [5, 512]}, "stop_token_ids"),
+    (C, {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+    (C, {"prompt": "x", "logit_bias": {"99999999": 5}}, "logit_bias"),
+])
+def test_error_param_names_the_field(url, path, body, param):
+    err = _err(httpx.post(f"{url}{path}", json={"model": MODEL, "max_tokens": 2, **body}), 400)
+    assert err["param"] == param, err
+    assert "/project/cpp" not in err["message"] and not re.search(r"\[\d\d:\d\d:\d\d\]", err["message"]), err
+
+
+def test_error_messages_read_right(url):
+    err = _err(httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": [
+        {"role": "user", "content": [{"type": "text"}]}]}), 400)
+    assert "'text' field" in err["message"] and "Only text content parts" not in err["message"], err
+    err = _err(httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": MSG,
+                                                               "guided_grammar": 'root ::= "a" | ('}), 400)
+    assert err["message"].startswith("Invalid grammar constraint: EBNF parser error at line 1"), err
+    # what stays valid: an assistant message with tool_calls and no content, the developer role (as system)
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={"model": MODEL, "max_tokens": 2, "messages": [
+        {"role": "developer", "content": "Be brief."}, *MSG,
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]})
+    assert r.status_code == 200, r.text
 
 
 def test_malformed_json_and_too_long_prompt(url, client):
@@ -452,6 +531,29 @@ def test_bad_startup_exits_2_with_one_line(tiny_models, tmp_path, capsys):
         assert e.value.code == 2
         err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
         assert len(err) == 1 and "error" in err[0] and "Traceback" not in err[0], (args, err)
+
+
+def test_bad_port_and_context_fail_before_the_models_load(tiny_models, capsys):
+    """`specdecode serve` checks --port while parsing (exiting later, while a loader thread runs, aborted the
+    process), refuses a --max-model-len beyond the model's context and says what to lower when the KV cache
+    does not fit: one line each, exit code 2."""
+    from specdecode.entrypoints.cli import main
+
+    for port in ("99999", "-1"):  # the real command, the default models: no SIGABRT
+        p = subprocess.run([sys.executable, "-m", "specdecode", "serve", "--port", port], capture_output=True,
+                           text=True, timeout=120)
+        lines = [x for x in p.stderr.splitlines() if x.strip()]
+        assert p.returncode == 2 and len(lines) == 1, (p.returncode, p.stderr)
+        assert "--port" in lines[0] and "0..65535" in lines[0] and "terminate" not in p.stderr
+    llama = str(tiny_models["llama"])  # max_position_embeddings 1024
+    for args, fragments in ((["--max-model-len", "2048"], ("2048", "1024")),
+                            (["--max-num-seqs", str(10 ** 10)], ("KV cache", "does not fit", "--max-num-seqs"))):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", llama, "--speculative-model", "[ngram]", "--port", "0", *args])
+        assert e.value.code == 2
+        err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+        assert len(err) == 1 and "Traceback" not in err[0] and "Errno" not in err[0], err
+        assert all(f in err[0] for f in fragments), err
 
 
 def test_sigterm_graceful_shutdown(tiny_models):

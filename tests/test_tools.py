@@ -134,6 +134,36 @@ HISTORY = [{"role": "user", "content": "Weather in Oslo?"},
            {"role": "user", "content": "And Paris, in Fahrenheit?"}]
 
 
+# A template that prints the calls as Qwen2.5's does: arguments through tojson.
+TOOL_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% for c in m.tool_calls or [] %}"
+                 '<tool_call>{"name": {{ c.function.name | tojson }}, "arguments": {{ c.function.arguments | tojson }}}'
+                 "</tool_call>{% endfor %}<|end|>{% endfor %}")
+
+
+def test_history_tool_call_arguments_reach_the_template_as_objects(sharp_target):
+    """The spec sends an earlier call's arguments as a JSON string; the server parses it (as vLLM does) so
+    that the template prints the object, not a string inside a string."""
+    from types import SimpleNamespace
+
+    from specdecode.entrypoints.openai.api_server import APIError, OpenAIServer
+    from specdecode.entrypoints.openai.protocol import ChatCompletionRequest
+    from specdecode.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(sharp_target, False)
+    tok.chat_template = TOOL_TEMPLATE
+    server = SimpleNamespace(tokenizer=tok)  # chat_prompt renders with the server's tokenizer only
+    body = ChatCompletionRequest(messages=HISTORY, add_generation_prompt=False)
+    prompt = OpenAIServer.chat_prompt(server, body)
+    assert '"arguments": {"city": "Oslo", "days": 1}' in prompt, prompt
+    assert '\\"' not in prompt, prompt
+    for bad in ("{city: Oslo}", '"Oslo"', "[1, 2]"):
+        history = json.loads(json.dumps(HISTORY))
+        history[1]["tool_calls"][0]["function"]["arguments"] = bad
+        with pytest.raises(APIError) as e:
+            OpenAIServer.chat_prompt(server, ChatCompletionRequest(messages=history))
+        assert e.value.status == 400 and e.value.param == "messages.1.tool_calls.0.function.arguments", bad
+
+
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "set_units"}}])
 def test_server_tool_calls_validate(url, choice):
     client = _client(url)
@@ -178,6 +208,17 @@ def test_server_tool_errors(url):
         r = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": msgs, "max_tokens": 4,
                                                             **extra}, timeout=60)
         assert r.status_code == 400 and needle in r.json()["error"]["message"], (extra, r.text)
+    # the error names the field: tool_choice, or the tool whose parameters the grammar cannot take
+    bad_tool = {"type": "function", "function": {"name": "odd", "parameters": {"type": "nonsense"}}}
+    for extra, param in (({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                          "tool_choice.function.name"),
+                         ({"tool_choice": "required"}, "tool_choice"),
+                         ({"tools": TOOLS + [bad_tool], "tool_choice": "required"}, "tools.2.function.parameters"),
+                         ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "guided_regex")):
+        r = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": msgs, "max_tokens": 4,
+                                                            **extra}, timeout=60)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == param and "/project/cpp" not in err["message"], (extra, err)
     # tool_choice "none": a plain answer, no calls parsed
     r = _client(url).chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice="none",
                                              max_tokens=5, temperature=0)

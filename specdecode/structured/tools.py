@@ -12,6 +12,16 @@ from typing import Any, Callable
 from specdecode.structured.params import StructuredOutputsParams
 
 
+# xgrammar's C++ core starts its messages with a log prefix, "[16:35:54] /project/cpp/regex_converter.cc:83: ".
+_XGRAMMAR_LOG_PREFIX = re.compile(r"\[\d{1,2}:\d{2}:\d{2}\] [^\s:]+:\d+: ")
+
+
+def xgrammar_message(text: str) -> str:
+    """An xgrammar error message without the log prefix (a time and a C++ source path, which mean nothing to
+    whoever sent the schema or grammar): the library's own words are kept."""
+    return _XGRAMMAR_LOG_PREFIX.sub("", text)
+
+
 def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
     fn = tool["function"]
     params = fn.get("parameters") or {"type": "object", "properties": {}}
@@ -31,7 +41,8 @@ def tool_call_constraint(tools: list[dict[str, Any]], name: str | None = None,
     try:
         rules = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
     except Exception as e:  # noqa: BLE001 - xgrammar's message names what is wrong with the schema
-        raise ValueError(f"Invalid tool parameters schema: {str(e).strip().splitlines()[0]}") from None
+        raise ValueError(f"Invalid tool parameters schema: {xgrammar_message(str(e).strip().splitlines()[0])}") \
+            from None
     rules = re.sub(r"\broot\b", "tool_call_json", rules)
     top = 'root ::= tool_call ("\\n" tool_call)*' if parallel else "root ::= tool_call"
     grammar = f'{top}\ntool_call ::= "<tool_call>\\n" tool_call_json "\\n</tool_call>"\n{rules}'

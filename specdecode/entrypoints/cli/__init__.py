@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         argv[command:command + 2] = ["bench-serve"]  # `bench serve` is its own parser: `bench` keeps its flags
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    args = None
     try:
         parser = build_parser()
         try:
@@ -128,7 +129,16 @@ def main(argv: list[str] | None = None) -> int:
         from specdecode.options import flag_names, used_spellings
         print(f"error: {flag_names(one_line(e), used_spellings(argv))}", file=sys.stderr)
         return EXIT_USAGE
-    except OSError as e:  # unreadable or unwritable files
+    except (OSError, RuntimeError) as e:  # unreadable or unwritable files; memory the engine could not get
+        from specdecode.entrypoints.openai.cli_args import is_out_of_memory, out_of_memory_message
+        if is_out_of_memory(e):  # the KV cache, allocated at load, sized by the flags
+            from specdecode.options import kwargs_from_args
+            _flush_quietly()
+            print(f"error: {out_of_memory_message(kwargs_from_args(args) if args is not None else {})}",
+                  file=sys.stderr)
+            return EXIT_USAGE
+        if isinstance(e, RuntimeError):
+            raise
         _flush_quietly()
         where = f" {e.filename}" if getattr(e, "filename", None) else ""
         print(f"error:{where} {e.strerror or e}" if where else f"error: {e}", file=sys.stderr)

@@ -76,7 +76,8 @@ def _number(kind, lo, hi=None, lo_open=False):
         if v != v or v < lo or (lo_open and v == lo) or (hi is not None and v > hi):
             rng = (f"{lo}..{hi}" if kind is int else f"{'(' if lo_open else '['}{lo}, {hi}]") if hi is not None \
                 else (f"> {lo}" if lo_open else f">= {lo}")
-            raise argparse.ArgumentTypeError(f"must be {'an integer ' if kind is int else 'in '}{rng}, got {s}")
+            what = "an integer " if kind is int else "in " if hi is not None else ""  # "in [0, 1]", ">= 0.0"
+            raise argparse.ArgumentTypeError(f"must be {what}{rng}, got {s}")
         return v
     return parse
 
@@ -162,6 +163,8 @@ def engine_kwargs(args, **defaults: Any) -> dict:
     sc = options.speculative_config_json(getattr(args, "speculative_config", None))
     if sc is not None:
         kw["speculative_config"] = sc
+    from specdecode.entrypoints.openai.cli_args import check_max_model_len
+    check_max_model_len(kw)
     return kw
 
 

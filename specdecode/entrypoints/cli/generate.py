@@ -108,7 +108,9 @@ def run(args) -> int:
         try:
             engine.grammar_compiler.compile(params.structured_outputs)
         except ValueError as e:
-            raise CLIError(f"{'--json-schema' if args.json_schema else '--grammar'}: {e}") from None
+            from specdecode.structured.tools import xgrammar_message
+            raise CLIError(f"{'--json-schema' if args.json_schema else '--grammar'}: {xgrammar_message(str(e))}") \
+                from None
     if args.json:
         result = stream(engine, "generate", ids, params, None)
     else:
@@ -118,11 +120,12 @@ def run(args) -> int:
         sys.stdout.write("\n")
         sys.stdout.flush()
     s = stats(engine, result)
+    error = result["output"].error  # the request failed in the engine (logged there); what it produced is shown
     if args.json:
         c = result["output"].outputs[0]
         print(json.dumps({"prompt": prompt, "chat_template": use_chat, "text": c.text, "token_ids": list(c.token_ids),
                           "prompt_token_ids": list(result["output"].prompt_token_ids),
-                          "finish_reason": c.finish_reason, "stats": s}, ensure_ascii=False))
+                          "finish_reason": c.finish_reason, "error": error, "stats": s}, ensure_ascii=False))
     else:
         print(format_stats(s), file=sys.stderr)
-    return 0
+    return 1 if error is not None or result["output"].outputs[0].finish_reason == "error" else 0

@@ -14,6 +14,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -34,19 +35,20 @@ from specdecode.engine.async_engine import (AsyncLLMEngine, EngineDeadError, Eng
 from specdecode.engine.llm_engine import LLMEngine
 from specdecode.engine.scheduler import QueueFullError
 from specdecode.entrypoints.openai.cli_args import (DEFAULT_BODY_TIMEOUT, DEFAULT_LIMIT_CONCURRENCY,
-                                                    DEFAULT_MAX_BODY_BYTES, add_server_args, engine_kwargs_from_args)
+                                                    DEFAULT_MAX_BODY_BYTES, add_server_args, engine_kwargs_from_args,
+                                                    is_out_of_memory, out_of_memory_message)
 from specdecode.entrypoints.openai.metrics import ServerMetrics
 from specdecode.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                                     ChatCompletionResponse, ChatLogprobs, ChatResponseMessage,
                                                     ChatStreamChoice, CompletionChoice, CompletionChunk,
                                                     CompletionLogprobs, CompletionRequest, CompletionResponse,
-                                                    DeltaMessage, ErrorResponse, ModelCard, ModelList,
+                                                    DeltaMessage, ErrorResponse, ModelCard, ModelList, ParamError,
                                                     SpecDecodeSummary,
                                                     TokenLogprob, TopLogprob, UsageInfo)
 from specdecode.outputs import CompletionOutput, RequestOutput
 from specdecode.sampling_params import SamplingParams
 from specdecode.speculative.metrics import SpecDecodeStats
-from specdecode.structured.tools import get_tool_parser, resolve_tool_parser
+from specdecode.structured.tools import get_tool_parser, resolve_tool_parser, xgrammar_message
 from specdecode.tokenizer import apply_chat_template
 
 logger = logging.getLogger("specdecode.server")
@@ -97,9 +99,37 @@ def _from_exception(e: BaseException, prompt_param: str = "prompt") -> APIError:
         msg = str(e)
         if "max_model_len" in msg:
             return APIError(400, msg, param=prompt_param, code="context_length_exceeded")
-        return APIError(400, msg, code="invalid_value")
+        return APIError(400, msg, param=_engine_error_param(msg, prompt_param), code="invalid_value")
     logger.exception("Unexpected error while serving a request")
     return APIError(500, f"Internal server error ({type(e).__name__}: {e}).", code="internal_error")
+
+
+# Every field of a request body: a word that starts an error message names the field only if it is one of these.
+_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields)
+
+
+def _field_param(msg: str) -> str | None:
+    """The field an error message starts with ("temperature must be ...", "messages[0].content contains ..."),
+    as a dotted path; None when the message does not start with a request field."""
+    head = re.sub(r"\[(\d+)\]", r".\1", msg.split(" ", 1)[0]).rstrip(".:,")
+    return head if head.split(".", 1)[0] in _FIELDS else None
+
+
+def _engine_error_param(msg: str, prompt_param: str) -> str | None:
+    """The request field an engine ValueError at admission is about: the prompt (its token ids, its length),
+    n (more samples than the queue takes), or a field the message starts with."""
+    if msg.lower().startswith(("prompt", "the prompt")):
+        return prompt_param
+    if msg.startswith("n="):
+        return "n"
+    return _field_param(msg)
+
+
+def _loc_path(loc: tuple) -> str:
+    """A pydantic error location as the request's field path: without "body" and without the union member
+    tags pydantic puts in it ('str', 'list[ContentPart]', 'NamedToolChoice'), which are not request fields."""
+    return ".".join(str(x) for x in loc if x != "body" and not (
+        isinstance(x, str) and ("[" in x or x[:1].isupper() or x in ("str", "int", "float", "bool", "dict", "list"))))
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -111,20 +141,17 @@ def _validation_error(exc: RequestValidationError) -> APIError:
                         code="invalid_json")
     extra = [err for err in errs if err.get("type") == "extra_forbidden"]
     if extra:
-        names = [".".join(str(x) for x in err.get("loc", ()) if x != "body") for err in extra]
+        names = [_loc_path(err.get("loc", ())) for err in extra]
         return APIError(400, f"Unsupported field{'s' if len(names) > 1 else ''} {', '.join(map(repr, names))}: "
                         "this server does not implement "
                         f"{'them' if len(names) > 1 else 'it'}, and ignoring it would change the answer "
                         "silently. Remove it from the request.", param=names[0], code="unsupported_field")
     parts, param = [], None
     for err in errs[:5]:
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        # union members show up as extra loc entries such as 'str' or 'list[int]'; keep the field path only
-        field = ".".join(x for x in loc if not any(c in x for c in "[]") and x not in ("str", "int", "float"))
+        field = _loc_path(err.get("loc", ()))
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
         if not field and err.get("type") == "value_error":  # our own checks name the field first
-            field = msg.split(" ", 1)[0].split(".", 1)[0].split("[", 1)[0]
-            param = param or (field if field.isidentifier() else None)
+            param = param or _field_param(msg)
             parts.append(msg)
             continue
         param = param or (field or None)
@@ -247,27 +274,30 @@ class OpenAIServer:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def check_vocab(self, params: SamplingParams) -> None:
-        """logit_bias names token ids of this model's vocabulary; otherwise a 400 naming the field."""
+        """logit_bias and stop_token_ids name token ids of this model's vocabulary; otherwise a 400 naming the
+        field (a stop token the model cannot produce would be ignored without a word)."""
         engine = getattr(self.engine, "engine", None)
-        if not params.logit_bias or engine is None:
+        if engine is None:
             return
         vocab = engine.target.vocab_size
-        outside = sorted(t for t in params.logit_bias if t >= vocab)
-        if outside:
-            raise APIError(400, f"logit_bias names token id {outside[0]}, outside this model's vocabulary (ids 0.."
-                                f"{vocab - 1}).", param="logit_bias", code="invalid_value")
+        for field, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+            outside = sorted(t for t in ids if t >= vocab)
+            if outside:
+                raise APIError(400, f"{field} names token id {outside[0]}, outside this model's vocabulary (ids "
+                                    f"0..{vocab - 1}).", param=field, code="invalid_value")
 
-    async def compile_constraint(self, params: SamplingParams) -> None:
+    async def compile_constraint(self, params: SamplingParams, param: str | None) -> None:
         """Compile a request's output constraint (JSON schema, regex, grammar) in a worker thread, so that
         neither the event loop nor the engine thread waits for it; the engine then finds it compiled. A
-        constraint that does not compile is a 400 carrying xgrammar's message."""
+        constraint that does not compile is a 400 carrying xgrammar's message and naming ``param``, the
+        request field the constraint came from."""
         engine = getattr(self.engine, "engine", None)
         if params.structured_outputs is None or engine is None:
             return
         try:
             await run_in_threadpool(engine.grammar_compiler.compile, params.structured_outputs)
         except ValueError as e:
-            raise APIError(400, str(e), code="invalid_value") from None
+            raise APIError(400, xgrammar_message(str(e)), param=param, code="invalid_value") from None
 
     # ---- running requests ----
     async def start(self, base_id: str, prompts: list[tuple[str | None, list[int] | None]],
@@ -366,7 +396,6 @@ class OpenAIServer:
             async for p, out in _merge(streams):
                 if out.finished:
                     finals[p] = out
-                last = len(finals) == len(streams)
                 cs = []
                 for c in out.outputs:
                     ch = choices[(p, c.index)]
@@ -385,11 +414,9 @@ class OpenAIServer:
                     cs.append(CompletionChoice(index=ch.index, text=delta, logprobs=lp,
                                                finish_reason=c.finish_reason if finished else None,
                                                stop_reason=c.stop_reason if finished else None))
-                if last and not body.include_usage:
-                    all_outs = [finals[i] for i in range(len(streams))]
-                    yield chunk(cs, usage=_usage(all_outs), spec_decode=_spec_of(all_outs))
-                elif cs:
+                if cs:
                     yield chunk(cs)
+            # usage (and the spec-decode summary) goes in a chunk of its own, only when asked for (OpenAI, vLLM)
             if body.include_usage:
                 all_outs = [finals[i] for i in range(len(streams))]
                 yield chunk([], usage=_usage(all_outs), spec_decode=_spec_of(all_outs))
@@ -414,7 +441,7 @@ class OpenAIServer:
     # ---- chat ----
     def chat_prompt(self, body: ChatCompletionRequest) -> str:
         try:
-            messages = [m.as_template_dict() for m in body.messages]
+            messages = [m.as_template_dict(f"messages.{i}") for i, m in enumerate(body.messages)]
             kwargs = dict(body.chat_template_kwargs or {})
             for reserved in ("messages", "tools", "tokenize", "add_generation_prompt", "conversation"):
                 if reserved in kwargs:
@@ -422,7 +449,7 @@ class OpenAIServer:
             return apply_chat_template(self.tokenizer, messages, body.add_generation_prompt, tools=body.tool_dicts(),
                                        **kwargs)
         except ValueError as e:
-            raise APIError(400, str(e), param="messages", code="invalid_value") from None
+            raise APIError(400, str(e), param=getattr(e, "param", "messages"), code="invalid_value") from None
         except Exception as e:  # jinja errors from a template that rejects the conversation
             raise APIError(400, f"The chat template could not render these messages: {e}", param="messages",
                            code="invalid_value") from None
@@ -490,10 +517,9 @@ class OpenAIServer:
                                                delta=DeltaMessage(content=delta or None, tool_calls=calls or None),
                                                logprobs=lp, finish_reason=finish,
                                                stop_reason=c.stop_reason if finished else None))
-                if final is not None and not body.include_usage:
-                    yield chunk(cs, usage=_usage([final]), spec_decode=_spec_of([final]))
-                elif cs:
+                if cs:
                     yield chunk(cs)
+            # usage (and the spec-decode summary) goes in a chunk of its own, only when asked for (OpenAI, vLLM)
             if body.include_usage and final is not None:
                 yield chunk([], usage=_usage([final]), spec_decode=_spec_of([final]))
         except Exception as e:  # noqa: BLE001
@@ -713,17 +739,18 @@ def build_app(engine_kwargs: dict | None = None, served_model_name: str | list[s
             if isinstance(body, ChatCompletionRequest):
                 return body.to_sampling_params(srv.tool_call_parser)
             return body.to_sampling_params()
-        except ValueError as e:
+        except ParamError as e:
+            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+        except ValueError as e:  # SamplingParams' checks start with the field's name
             msg = str(e).replace("Invalid SamplingParams: ", "")
-            param = msg.split(" ", 1)[0] if msg.split(" ", 1)[0].isidentifier() else None
-            raise APIError(400, msg, param=param, code="invalid_value") from None
+            raise APIError(400, msg, param=_field_param(msg), code="invalid_value") from None
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         model = srv.check_model(body.model)
         params = params_of(body)
         srv.check_vocab(params)
-        await srv.compile_constraint(params)
+        await srv.compile_constraint(params, body.constraint_param())
         prompts = _normalise_prompts(body.prompt)
         echoes = [text if text is not None else srv.tokenizer.decode(ids) for text, ids in prompts] \
             if body.echo else [""] * len(prompts)
@@ -745,7 +772,7 @@ def build_app(engine_kwargs: dict | None = None, served_model_name: str | list[s
         model = srv.check_model(body.model)
         params = params_of(body)
         srv.check_vocab(params)
-        await srv.compile_constraint(params)
+        await srv.compile_constraint(params, body.constraint_param())
         prompt = await run_in_threadpool(srv.chat_prompt, body)  # templating is CPU work: off the event loop
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         (stream,) = await srv.start(rid, [(prompt, None)], params, "messages")
@@ -809,6 +836,7 @@ def run_server(args: argparse.Namespace, model: str | None, engine: AsyncLLMEngi
     if not (0 <= port <= 65535):
         _fail(f"--port must be in 0..65535, got {port}.")
     api_key = getattr(args, "api_key", None) or os.environ.get("SPECDECODE_API_KEY") or None
+    kw: dict[str, Any] = {}
     try:
         kw = engine_kwargs_from_args(args, model)
         if engine is not None:
@@ -818,7 +846,11 @@ def run_server(args: argparse.Namespace, model: str | None, engine: AsyncLLMEngi
                         body_timeout=getattr(args, "request_body_timeout", None) or DEFAULT_BODY_TIMEOUT,
                         metrics_require_key=bool(getattr(args, "metrics_require_key", False)),
                         tool_call_parser=getattr(args, "server.tool_call_parser", None) or "auto")
-    except (ValueError, OSError, FileNotFoundError) as e:
+    except (ValueError, OSError, RuntimeError) as e:
+        if is_out_of_memory(e):  # the KV cache, allocated at load, sized by the flags
+            _fail(out_of_memory_message(kw))
+        if isinstance(e, RuntimeError):
+            raise
         _fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
     except KeyboardInterrupt:
         sys.exit(130)

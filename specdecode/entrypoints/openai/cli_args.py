@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import json
 from typing import Any
 
 from specdecode import options
@@ -14,12 +16,24 @@ DEFAULT_BODY_TIMEOUT = 30.0
 DEFAULT_LIMIT_CONCURRENCY = 1024  # open connections and requests; beyond it uvicorn answers 503 at once
 
 
+def port_number(text: str) -> int:
+    """--port: checked while the flags are parsed, before the models start loading (exiting while a native
+    loader thread runs aborts the process instead of exiting with code 2)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {text}")
+    return port
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     """The server's flags (the model itself is added by the caller)."""
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", metavar="HOST",
                    help="Interface to bind (default 127.0.0.1; 0.0.0.0 for all).")
-    g.add_argument("--port", type=int, default=8000, metavar="PORT", help="Port to listen on (default 8000).")
+    g.add_argument("--port", type=port_number, default=8000, metavar="PORT", help="Port to listen on (default 8000).")
     g.add_argument("--api-key", default=None, metavar="KEY",
                    help="Require 'Authorization: Bearer KEY' on /v1/* (default: $SPECDECODE_API_KEY, or none).")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
@@ -65,4 +79,61 @@ def engine_kwargs_from_args(args: argparse.Namespace, model: str | None) -> dict
     sc = options.speculative_config_json(getattr(args, "speculative_config", None))
     if sc is not None:
         kw["speculative_config"] = sc
+    check_max_model_len(kw)
     return kw
+
+
+def model_context_length(model: str | None) -> int | None:
+    """The target model's own maximum context, derived as vLLM does: its config's max_position_embeddings
+    (n_positions, a GGUF's context_length), times the factor of a linear RoPE scaling. Read from the config
+    alone, before anything loads; None when it cannot be read (loading the model then says what is wrong)."""
+    try:
+        from specdecode.models.model import FAMILIES, family_of
+        from specdecode.models.resolve import resolve_model
+
+        path = resolve_model(model, "target")
+        if path.is_file():
+            from specdecode.models.gguf_loader import read_gguf
+
+            gguf = read_gguf(path)
+            config = gguf.config
+            gguf.close()
+        else:
+            config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        family = family_of(config)
+        args = FAMILIES[family].make_args(config, family)
+    except Exception:  # noqa: BLE001 - the load that follows reports a missing or broken model properly
+        return None
+    limit = args.max_position_embeddings
+    scaling = args.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) == "linear":
+        limit = int(limit * float(scaling.get("factor", 1.0)))
+    return limit
+
+
+def check_max_model_len(kw: dict[str, Any]) -> None:
+    """A max_model_len beyond the model's own context is refused (as vLLM does) before the models load: its
+    positions were never trained, and a huge value would only fail later, allocating the KV cache."""
+    n = kw.get("max_model_len")
+    if not isinstance(n, int):
+        return
+    limit = model_context_length(kw.get("model"))
+    if limit is not None and n > limit:
+        raise ValueError(f"--max-model-len {n} is larger than the model's maximum context of {limit} tokens "
+                         f"(max_position_embeddings / context_length in its config); use --max-model-len {limit} "
+                         "or less.")
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """A failed allocation while the engine loads: mmap's ENOMEM or torch's CPU allocator."""
+    return (isinstance(e, OSError) and e.errno == errno.ENOMEM) or \
+        (isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
+
+
+def out_of_memory_message(kw: dict[str, Any]) -> str:
+    """The one-line error for a KV cache (max_num_seqs slots x max_model_len positions) that does not fit."""
+    n, seqs = kw.get("max_model_len"), kw.get("max_num_seqs")
+    size = " x ".join(x for x in (f"--max-num-seqs {seqs}" if seqs else "",
+                                  f"--max-model-len {n}" if n else "") if x)
+    return (f"the KV cache{f' for {size}' if size else ''} does not fit in memory (the allocation failed); lower "
+            "--max-model-len or --max-num-seqs.")

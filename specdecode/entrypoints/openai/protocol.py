@@ -29,6 +29,15 @@ def _check_strings(value: Any, path: str) -> None:
             _check_strings(v, f"{path}[{i}]")
 
 
+class ParamError(ValueError):
+    """A value the server refuses (HTTP 400), with the request field it is about (OpenAI's ``param``), so the
+    error names the field instead of a word guessed from the message."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -115,37 +124,60 @@ class _SamplingRequest(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
-    def _constraint(self, tool_parser: str = "auto") -> StructuredOutputsParams | None:
-        """The one output constraint this request asks for, from whichever field it used."""
+    def _constraint_fields(self) -> list[str]:
+        """The request fields that ask for an output constraint."""
         given = []
         if self.response_format is not None and self.response_format.type != "text":
             given.append("response_format")
         if self.structured_outputs is not None:
             given.append("structured_outputs")
-        given += [f for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-                  if getattr(self, f) is not None]
+        return given + [f for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                        if getattr(self, f) is not None]
+
+    def constraint_param(self) -> str | None:
+        """The request field a compiled constraint comes from: what a constraint that does not compile names."""
+        given = self._constraint_fields()
+        if not given:
+            return None
+        rf = self.response_format
+        if given[0] == "response_format" and rf.type == "json_schema":
+            return "response_format.json_schema.schema"
+        return given[0]
+
+    def _constraint(self, tool_parser: str = "auto") -> StructuredOutputsParams | None:
+        """The one output constraint this request asks for, from whichever field it used."""
+        given = self._constraint_fields()
         if not given:
             return None
         if len(given) > 1:
-            raise ValueError(f"Give one output constraint, not several ({', '.join(given)}).")
-        if given[0] == "response_format":
-            rf = self.response_format
-            if rf.type == "json_schema":
-                if rf.json_schema is None:
-                    raise ValueError("response_format.json_schema is required when type is 'json_schema'.")
-                if rf.json_schema.json_schema is not None:
-                    return StructuredOutputsParams(json=rf.json_schema.json_schema)
-            return StructuredOutputsParams(json_object=True)
-        if given[0] == "structured_outputs":
-            so = self.structured_outputs
-            return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
-                                           json_object=so.json_object,
-                                           disable_any_whitespace=so.disable_any_whitespace)
-        kind = given[0].removeprefix("guided_")
-        return StructuredOutputsParams(**{kind: getattr(self, given[0])})
+            raise ParamError(given[1], f"Give one output constraint, not several ({', '.join(given)}).")
+        try:
+            if given[0] == "response_format":
+                rf = self.response_format
+                if rf.type == "json_schema":
+                    if rf.json_schema is None:
+                        raise ParamError("response_format.json_schema",
+                                         "response_format.json_schema is required when type is 'json_schema'.")
+                    if rf.json_schema.json_schema is not None:
+                        return StructuredOutputsParams(json=rf.json_schema.json_schema)
+                return StructuredOutputsParams(json_object=True)
+            if given[0] == "structured_outputs":
+                so = self.structured_outputs
+                return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                               json_object=so.json_object,
+                                               disable_any_whitespace=so.disable_any_whitespace)
+            kind = given[0].removeprefix("guided_")
+            return StructuredOutputsParams(**{kind: getattr(self, given[0])})
+        except ParamError:
+            raise
+        except ValueError as e:
+            raise ParamError(self.constraint_param() or given[0], str(e)) from None
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None, tool_parser: str = "auto") -> SamplingParams:
         """Raises ValueError (reported as 400) for values SamplingParams rejects."""
+        if self.stream_options is not None and not self.stream:
+            # vLLM refuses it too: stream options without a stream are a client mistake, not a no-op
+            raise ParamError("stream_options", "stream_options can only be given when stream is true.")
         kw: dict[str, Any] = dict(n=self.n, max_tokens=max_tokens, logprobs=logprobs, min_tokens=self.min_tokens,
                                   logit_bias=self.logit_bias or None,
                                   ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
@@ -220,6 +252,11 @@ class NamedToolChoice(_Request):
     function: NamedFunction
 
 
+# The roles a chat template knows. "developer" is OpenAI's newer name for "system" (templates only know the
+# latter, and drop a role they do not know without a word).
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 class ChatMessage(_Request):
     role: str
     content: str | list[ContentPart] | None = None
@@ -227,33 +264,52 @@ class ChatMessage(_Request):
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls, shown to the template
     tool_call_id: str | None = None           # a tool message answers this call
 
-    def as_template_dict(self) -> dict[str, Any]:
+    def as_template_dict(self, path: str = "message") -> dict[str, Any]:
+        """The message as chat templates take it; ParamError (naming the field under ``path``, e.g.
+        ``messages.0``) for what a template would drop or misread without a word."""
+        if self.role not in ROLES:
+            raise ParamError(f"{path}.role", f"{path}.role: unknown role {self.role!r}; use one of "
+                                             f"{', '.join(ROLES)}.")
         content = self.content
+        if content is None and not (self.role == "assistant" and self.tool_calls):
+            # OpenAI: content is required, except in an assistant message that carries tool_calls
+            raise ParamError(f"{path}.content", f"{path}.content is required for role {self.role!r}"
+                             + (" (unless the message has tool_calls)." if self.role == "assistant" else "."))
         if isinstance(content, list):
             texts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise ValueError(f"Only text content parts are supported, got a {part.type!r} part.")
+            for j, part in enumerate(content):
+                if part.type != "text":
+                    raise ParamError(f"{path}.content.{j}.type", "Only text content parts are supported, got a "
+                                                                  f"{part.type!r} part ({path}.content.{j}).")
+                if part.text is None:
+                    raise ParamError(f"{path}.content.{j}.text",
+                                     f"{path}.content.{j} is a 'text' part without its 'text' field.")
                 texts.append(part.text)
             content = "".join(texts)
-        d: dict[str, Any] = {"role": self.role, "content": content or ""}
+        d: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.name:
             d["name"] = self.name
         if self.tool_call_id is not None:
             d["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
-            # Templates (Qwen2.5's, Llama 3.1's) print the arguments with tojson: they expect an object.
-            d["tool_calls"] = [{"id": c.id, "type": c.type, "function": {"name": c.function.name,
-                                                                         "arguments": _arguments(c.function.arguments)}}
-                               for c in self.tool_calls]
+            # The spec sends arguments as a JSON string; templates (Qwen2.5's, Llama 3.1's) print them with
+            # tojson and expect the object, so parse them first, as vLLM does.
+            d["tool_calls"] = [{"id": c.id, "type": c.type,
+                                "function": {"name": c.function.name,
+                                             "arguments": _arguments(c.function.arguments,
+                                                                     f"{path}.tool_calls.{k}.function.arguments")}}
+                               for k, c in enumerate(self.tool_calls)]
         return d
 
 
-def _arguments(text: str) -> Any:
+def _arguments(text: str, path: str) -> dict[str, Any]:
     try:
-        return json.loads(text)
-    except ValueError:
-        return text
+        args = json.loads(text)
+    except ValueError as e:
+        raise ParamError(path, f"{path} is not valid JSON ({e}).") from None
+    if not isinstance(args, dict):
+        raise ParamError(path, f"{path} must be a JSON object, got {type(args).__name__}.")
+    return args
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -283,28 +339,45 @@ class ChatCompletionRequest(_SamplingRequest):
             return None
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
+    def constraint_param(self) -> str | None:
+        return "tools" if self.tool_mode in ("required", "named") else super().constraint_param()
+
     def _constraint(self, tool_parser: str = "auto") -> StructuredOutputsParams | None:
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
-            raise ValueError("tool_choice needs tools: give the functions the model may call.")
+            raise ParamError("tool_choice", "tool_choice needs tools: give the functions the model may call.")
         mode = self.tool_mode
         if mode in ("none", "auto"):
             return super()._constraint()
         if super()._constraint() is not None:
-            raise ValueError(f"tool_choice {self.tool_choice if mode == 'required' else 'naming a function'} "
+            raise ParamError(super().constraint_param(),
+                             f"tool_choice {self.tool_choice if mode == 'required' else 'naming a function'} "
                              "already constrains the output; drop the other output constraint.")
         from specdecode.structured.tools import resolve_tool_parser
 
         name = self.tool_choice.function.name if mode == "named" else None
         if name is not None and name not in {t.function.name for t in self.tools}:
-            raise ValueError(f"tool_choice names the function {name!r}, which is not among the tools "
+            raise ParamError("tool_choice.function.name",
+                             f"tool_choice names the function {name!r}, which is not among the tools "
                              f"({', '.join(t.function.name for t in self.tools)}).")
-        return resolve_tool_parser(tool_parser).constraint(self.tool_dicts(), name,
-                                                           parallel=self.parallel_tool_calls is not False)
+        parser = resolve_tool_parser(tool_parser)
+        parallel = self.parallel_tool_calls is not False
+        try:
+            return parser.constraint(self.tool_dicts(), name, parallel=parallel)
+        except ValueError as e:
+            # a parameters schema the grammar cannot take: find which tool's, to name it
+            for i, tool in enumerate(self.tool_dicts()):
+                if name is not None and tool["function"]["name"] != name:
+                    continue
+                try:
+                    parser.constraint([tool], None, parallel=parallel)
+                except ValueError:
+                    raise ParamError(f"tools.{i}.function.parameters", str(e)) from None
+            raise ParamError("tools", str(e)) from None
 
     def to_sampling_params(self, tool_parser: str = "auto") -> SamplingParams:
         """``tool_parser``: the server's --tool-call-parser, whose format tool_choice required / named enforces."""
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs=true.")
+            raise ParamError("top_logprobs", "top_logprobs requires logprobs=true.")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, tool_parser)
 
