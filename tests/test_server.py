@@ -296,6 +296,11 @@ def test_concurrent_streams_match_alone_and_metrics_add_up(url, client):
     assert d["specdecode:e2e_request_latency_seconds_count"] == 16
     assert d["specdecode:inter_token_latency_seconds_count"] > 0
     assert after["specdecode:num_requests_running"] == 0
+    # vLLM's names carry the same values, so a dashboard built for vLLM reads this server unchanged.
+    ours = {k.removeprefix("specdecode:"): v for k, v in after.items() if k.startswith("specdecode:")}
+    theirs = {k.removeprefix("vllm:"): v for k, v in after.items() if k.startswith("vllm:")}
+    assert theirs == {k: v for k, v in ours.items() if not k.startswith("request_errors")}
+    assert "num_requests_running" in theirs and "time_to_first_token_seconds_count" in theirs
 
 
 def test_client_disconnect_aborts_and_others_continue(url, client):

@@ -1,9 +1,7 @@
-"""Prometheus metrics of the server, in vLLM's names with a ``specdecode:`` prefix.
-
-The speculative-decoding, prefix-cache and KV-cache series are also exposed under vLLM's own names
-(``vllm:spec_decode_*``, ``vllm:prefix_cache_queries`` / ``_hits`` in tokens, ``vllm:kv_cache_usage_perc``,
-``vllm:num_preemptions``), so dashboards built for vLLM work unchanged; the ``specdecode:`` ones carry the same
-values.
+"""Prometheus metrics of the server, under vLLM's own names (``vllm:num_requests_running``,
+``vllm:time_to_first_token_seconds``, ``vllm:spec_decode_*``, ``vllm:prefix_cache_queries`` / ``_hits`` in
+tokens, ...), so dashboards built for vLLM work unchanged, and the same values with a ``specdecode:`` prefix.
+``specdecode:request_errors`` (HTTP errors by status) has no vLLM counterpart.
 
 Recorded on the engine thread after every step (prometheus-client is thread-safe), from the step's
 outputs and the engine's cumulative spec-decode counters; the HTTP layer adds rejected requests.
@@ -22,24 +20,31 @@ _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
-class _Counters:
-    """One counter under several names (vLLM's and ours), incremented together."""
+class _Twin:
+    """One metric under vLLM's name and ours (``vllm:x`` and ``specdecode:x``), updated together."""
 
-    def __init__(self, names: tuple[str, ...], doc: str, labels: list[str], registry: CollectorRegistry):
-        self.counters = [Counter(n, doc, labels, registry=registry) for n in names]
+    def __init__(self, kind, name: str, doc: str, labels: list[str], registry: CollectorRegistry, **kw):
+        self.metrics = [kind(n, doc, labels, registry=registry, **kw) for n in (f"vllm:{name}", f"specdecode:{name}")]
 
-    def inc(self, amount: float, *labels: str) -> None:
-        for c in self.counters:
-            c.labels(*labels).inc(amount)
-
-    def touch(self, *labels: str) -> None:
-        """Expose the series at 0 before anything happened."""
-        for c in self.counters:
-            c.labels(*labels)
+    def labels(self, *values: str) -> "_TwinChild":
+        return _TwinChild([m.labels(*values) for m in self.metrics])
 
 
-def _vllm_names(name: str) -> tuple[str, ...]:
-    return (f"vllm:{name}", f"specdecode:{name}")
+class _TwinChild:
+    def __init__(self, children: list):
+        self.children = children
+
+    def inc(self, amount: float = 1.0) -> None:
+        for c in self.children:
+            c.inc(amount)
+
+    def set(self, value: float) -> None:
+        for c in self.children:
+            c.set(value)
+
+    def observe(self, value: float) -> None:
+        for c in self.children:
+            c.observe(value)
 
 
 class ServerMetrics:
@@ -48,49 +53,39 @@ class ServerMetrics:
         self.registry = r = CollectorRegistry()
         m = ["model_name"]
         self.model_name = model_name
-        self.running = Gauge("specdecode:num_requests_running", "Sequences in the running batch.", m, registry=r)
-        self.waiting = Gauge("specdecode:num_requests_waiting", "Sequences waiting for a cache slot.", m,
-                             registry=r)
-        self.success = Counter("specdecode:request_success", "Requests the engine finished, by finish reason "
-                               "(stop, length, abort = client went away, error = engine failure).",
-                               m + ["finished_reason"], registry=r)
+        self.running = _Twin(Gauge, "num_requests_running", "Sequences in the running batch.", m, r)
+        self.waiting = _Twin(Gauge, "num_requests_waiting", "Sequences waiting for a cache slot.", m, r)
+        self.success = _Twin(Counter, "request_success", "Requests the engine finished, by finish reason (stop, "
+                             "length, abort = client went away, error = engine failure).", m + ["finished_reason"], r)
         self.errors = Counter("specdecode:request_errors", "Requests answered with an HTTP error, by status.",
                               m + ["status"], registry=r)
-        self.prompt_tokens = Counter("specdecode:prompt_tokens", "Prefilled prompt tokens (once per request).",
-                                     m, registry=r)
-        self.generation_tokens = Counter("specdecode:generation_tokens", "Generated tokens (all samples).", m,
-                                         registry=r)
-        self.ttft = Histogram("specdecode:time_to_first_token_seconds", "Arrival to first token.", m,
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("specdecode:inter_token_latency_seconds",
-                             "Time between successive outputs of a request (one engine step; with speculation "
-                             "a step may emit several tokens).", m, buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("specdecode:e2e_request_latency_seconds", "Arrival to finish.", m,
-                             buckets=_E2E_BUCKETS, registry=r)
-        self.spec_drafts = _Counters(_vllm_names("spec_decode_num_drafts"),
-                                     "Verification passes that carried at least one drafted token.", m, r)
-        self.spec_draft_tokens = _Counters(_vllm_names("spec_decode_num_draft_tokens"), "Drafted tokens.", m, r)
-        self.spec_accepted = _Counters(_vllm_names("spec_decode_num_accepted_tokens"), "Accepted drafted tokens.",
-                                       m, r)
-        self.spec_accepted_pos = _Counters(_vllm_names("spec_decode_num_accepted_tokens_per_pos"),
-                                           "Accepted drafted tokens by draft position (0 = first).",
-                                           m + ["position"], r)
-        self.prefix_queries = _Counters(_vllm_names("prefix_cache_queries"),
-                                        "Prompt tokens looked up in the prefix cache.", m, r)
-        self.prefix_hits = _Counters(_vllm_names("prefix_cache_hits"),
-                                     "Prompt tokens whose KV came from the prefix cache.", m, r)
-        self.preemptions = _Counters(_vllm_names("num_preemptions"),
-                                     "Requests preempted (blocks released, prefilled again) for lack of KV cache.",
-                                     m, r)
-        self.kv_usage = [Gauge(n, "Fraction of the KV cache's blocks in use by running requests (0..1).", m,
-                               registry=r) for n in _vllm_names("kv_cache_usage_perc")]
+        self.prompt_tokens = _Twin(Counter, "prompt_tokens", "Prefilled prompt tokens (once per request).", m, r)
+        self.generation_tokens = _Twin(Counter, "generation_tokens", "Generated tokens (all samples).", m, r)
+        self.ttft = _Twin(Histogram, "time_to_first_token_seconds", "Arrival to first token.", m, r,
+                          buckets=_LATENCY_BUCKETS)
+        self.itl = _Twin(Histogram, "inter_token_latency_seconds", "Time between successive outputs of a request "
+                         "(one engine step; with speculation a step may emit several tokens).", m, r,
+                         buckets=_LATENCY_BUCKETS)
+        self.e2e = _Twin(Histogram, "e2e_request_latency_seconds", "Arrival to finish.", m, r, buckets=_E2E_BUCKETS)
+        self.spec_drafts = _Twin(Counter, "spec_decode_num_drafts",
+                                 "Verification passes that carried at least one drafted token.", m, r)
+        self.spec_draft_tokens = _Twin(Counter, "spec_decode_num_draft_tokens", "Drafted tokens.", m, r)
+        self.spec_accepted = _Twin(Counter, "spec_decode_num_accepted_tokens", "Accepted drafted tokens.", m, r)
+        self.spec_accepted_pos = _Twin(Counter, "spec_decode_num_accepted_tokens_per_pos",
+                                       "Accepted drafted tokens by draft position (0 = first).", m + ["position"], r)
+        self.prefix_queries = _Twin(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                    m, r)
+        self.prefix_hits = _Twin(Counter, "prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache.",
+                                 m, r)
+        self.preemptions = _Twin(Counter, "num_preemptions",
+                                 "Requests preempted (blocks released, prefilled again) for lack of KV cache.", m, r)
+        self.kv_usage = _Twin(Gauge, "kv_cache_usage_perc",
+                              "Fraction of the KV cache's blocks in use by running requests (0..1).", m, r)
         for reason in FINISH_REASONS:
-            self.success.labels(model_name, reason)
-        for c in (self.prompt_tokens, self.generation_tokens):
+            self.success.labels(model_name, reason)  # every series exists at 0 before anything happened
+        for c in (self.prompt_tokens, self.generation_tokens, self.spec_drafts, self.spec_draft_tokens,
+                  self.spec_accepted, self.prefix_queries, self.prefix_hits, self.preemptions):
             c.labels(model_name)
-        for c in (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted, self.prefix_queries,
-                  self.prefix_hits, self.preemptions):
-            c.touch(model_name)
         # request id -> (tokens seen so far, time of the last output); engine-thread only
         self._seen: dict[str, tuple[int, float]] = {}
         self._spec = (0, 0, 0, [])
@@ -135,24 +130,23 @@ class ServerMetrics:
         now = (pool.queries, pool.hits, preemptions)
         for counter, new, old in zip((self.prefix_queries, self.prefix_hits, self.preemptions), now, self._kv):
             if new > old:
-                counter.inc(new - old, name)
+                counter.labels(name).inc(new - old)
         self._kv = now
-        for g in self.kv_usage:
-            g.labels(name).set(pool.num_used_blocks / pool.num_blocks)
+        self.kv_usage.labels(name).set(pool.num_used_blocks / pool.num_blocks)
 
     def _record_spec(self, s) -> None:
         name = self.model_name
         d0, t0, a0, p0 = self._spec
         if s.num_drafts > d0:
-            self.spec_drafts.inc(s.num_drafts - d0, name)
+            self.spec_drafts.labels(name).inc(s.num_drafts - d0)
         if s.num_draft_tokens > t0:
-            self.spec_draft_tokens.inc(s.num_draft_tokens - t0, name)
+            self.spec_draft_tokens.labels(name).inc(s.num_draft_tokens - t0)
         if s.num_accepted_tokens > a0:
-            self.spec_accepted.inc(s.num_accepted_tokens - a0, name)
+            self.spec_accepted.labels(name).inc(s.num_accepted_tokens - a0)
         for i, n in enumerate(s.accepted_per_pos):
             before = p0[i] if i < len(p0) else 0
             if n > before or i >= len(p0):
-                self.spec_accepted_pos.inc(n - before, name, str(i))
+                self.spec_accepted_pos.labels(name, str(i)).inc(n - before)
         self._spec = (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, list(s.accepted_per_pos))
 
     def on_engine_error(self, request_ids: list[str]) -> None:
