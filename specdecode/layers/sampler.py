@@ -134,11 +134,7 @@ def logits_to_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
             row = row.masked_fill(row < kth, float("-inf"))
         pr = torch.softmax(row, dim=-1)
         if p.top_p < 1.0:
-            sorted_p, idx = pr.sort(descending=True)
-            # keep the smallest prefix whose mass reaches top_p (the token that crosses it stays)
-            drop_sorted = (sorted_p.cumsum(0) - sorted_p) >= p.top_p
-            drop_sorted[0] = False  # the most likely token always stays (a top_p below float32's range is 0)
-            pr = pr.masked_fill(torch.zeros_like(drop_sorted).scatter_(0, idx, drop_sorted), 0.0)
+            pr = _top_p(pr, p.top_p)
         if p.min_p > 0.0:
             pr = pr.masked_fill(pr < p.min_p * pr.max(), 0.0)
         probs[i] = pr / pr.sum()
@@ -148,8 +144,30 @@ def logits_to_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     return probs
 
 
+def _top_p(pr: torch.Tensor, top_p: float) -> torch.Tensor:
+    """pr [V] restricted to its nucleus: the smallest set of most likely tokens whose mass reaches top_p (the
+    token that crosses it stays). The nucleus is looked for among the top 256 tokens first, then 4x as many,
+    and so on: sorting the whole 152k vocabulary took 12.5 ms a row on CPU, the top 256 take well under 1 ms,
+    and a nucleus is rarely larger."""
+    n = min(256, pr.numel())
+    while True:
+        top, idx = pr.topk(n)
+        # keep a prefix of the sorted top tokens: those whose mass before them is still below top_p
+        keep = (top.cumsum(0) - top) < top_p
+        keep[0] = True  # the most likely token always stays (a top_p below float32's range is 0)
+        if not bool(keep[-1]) or n == pr.numel():
+            return torch.zeros_like(pr).index_copy_(0, idx[keep], top[keep])
+        n = min(4 * n, pr.numel())
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    """One draw from probs [V] (any nonnegative weights): the token whose interval of the cumulative sum holds
+    a uniform draw. torch.multinomial does the same job about 20x slower on CPU over a 152k vocabulary (3.6
+    against 0.19 ms), once per emitted token and per draft-model guess. The sum runs in float64, so every token
+    keeps its share to far below sampling noise; a token of weight 0 has an empty interval and is never drawn."""
+    cdf = probs.double().cumsum(-1)
+    u = torch.rand(1, generator=generator, dtype=torch.float64, device=probs.device) * cdf[-1]
+    return int(torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1).item())
 
 
 _MASK64 = 2 ** 64 - 1
