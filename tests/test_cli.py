@@ -152,6 +152,18 @@ def test_generate_exits_1_when_the_request_fails(tiny_models, monkeypatch, capsy
     assert json.loads(capsys.readouterr().out)["error"] is None
 
 
+def test_generate_n_minus_one_runs_to_the_context(tiny_models, capsys):
+    """llama.cpp's -n -1: no limit but the context (here 48 positions)."""
+    from specdecode.entrypoints.cli import main
+
+    assert main(["generate", "-m", str(tiny_models["llama"]), "-md", "none", "-t", "1", "--raw", "-p", "hi there",
+                 "-n", "-1", "--ignore-eos", "--max-model-len", "48", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["finish_reason"] == "length"
+    assert len(out["prompt_token_ids"]) + len(out["token_ids"]) == 48
+    assert main(["generate", "-m", str(tiny_models["llama"]), "-p", "hi", "-n", "-2"]) == 2
+
+
 def test_chat_through_stdin(tiny_models):
     p = run_cli("chat", "-m", tiny_models["llama"], "-md", "ngram", "--draft", 2, "-n", 8, "-t", 1,
                 input="hello there\n\n/reset\nThe quick brown fox\n/exit\nnot read\n")

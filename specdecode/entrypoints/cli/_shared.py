@@ -86,14 +86,21 @@ def int_at_least(lo: int, hi: int | None = None):
     return _number(int, lo, hi)
 
 
+def max_tokens_arg(s: str) -> int | None:
+    """-n N: N >= 1 tokens, or -1 for no limit but the context (llama.cpp's spelling)."""
+    if s.strip() == "-1":
+        return None
+    return int_at_least(1)(s)
+
+
 def float_in(lo: float, hi: float | None = None, lo_open: bool = False):
     return _number(float, lo, hi, lo_open)
 
 
 def add_sampling_flags(p: argparse.ArgumentParser, n_default: int) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("-n", "--n-predict", "--max-tokens", dest="max_tokens", type=int_at_least(1), default=n_default,
-                   metavar="N", help=f"maximum tokens to generate (default {n_default})")
+    g.add_argument("-n", "--n-predict", "--max-tokens", dest="max_tokens", type=max_tokens_arg, default=n_default,
+                   metavar="N", help=f"maximum tokens to generate; -1 = until the context is full (default {n_default})")
     g.add_argument("--temp", "--temperature", dest="temperature", type=float_in(0.0), default=0.0, metavar="T",
                    help="sampling temperature; 0 = greedy (default 0)")
     g.add_argument("--top-p", type=float_in(0.0, 1.0, lo_open=True), default=1.0, metavar="P",

@@ -96,7 +96,7 @@ def run(args) -> int:
         if ids is None:
             continue
         room = engine.max_model_len - len(ids)
-        p = params.clone(max_tokens=min(params.max_tokens, room),
+        p = params.clone(max_tokens=room if params.max_tokens is None else min(params.max_tokens, room),
                          seed=None if params.seed is None else params.seed + turn)
         with Interrupt() as intr:
             result = stream(engine, f"chat-{turn}", ids, p, sys.stdout, intr)
