@@ -398,3 +398,15 @@ def test_prompt_lookup_num_tokens(tiny_models, tiny_draft):
     spec = EngineConfig.from_kwargs(model=model, speculative_config={
         "model": draft, "num_speculative_tokens": 6, "ngram_first": True, "prompt_lookup_num_tokens": 2}).speculative
     assert (spec.lookup_k, spec.max_k) == (2, 6)
+
+
+def test_max_model_len_beyond_the_models_context_is_refused_in_python_too(tiny_models, monkeypatch):
+    """LLM(max_model_len=...) beyond the model's own context (1024 for the tiny llama) is a ValueError naming
+    both numbers, as in vLLM; SPECDECODE_ALLOW_LONG_MAX_MODEL_LEN=1 stretches a RoPE model on purpose."""
+    from specdecode import LLM
+
+    with pytest.raises(ValueError, match=r"max_model_len=2048 .* maximum context of 1024"):
+        LLM(str(tiny_models["llama"]), max_model_len=2048, speculative_config={"method": "none"})
+    monkeypatch.setenv("SPECDECODE_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    llm = LLM(str(tiny_models["llama"]), max_model_len=2048, speculative_config={"method": "none"})
+    assert llm.engine.max_model_len == 2048

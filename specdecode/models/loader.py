@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -262,12 +263,29 @@ def _skeleton(args, max_model_len: int) -> CausalLM:
         return CausalLM(args, max_model_len)
 
 
+def context_limit(args) -> int:
+    """The model's own maximum context, derived as vLLM does: its config's max_position_embeddings (n_positions,
+    a GGUF's context_length), times the factor of a linear RoPE scaling."""
+    limit = args.max_position_embeddings
+    scaling = getattr(args, "rope_scaling", None) or {}
+    if scaling.get("rope_type", scaling.get("type")) == "linear":
+        limit = int(limit * float(scaling.get("factor", 1.0)))
+    return limit
+
+
 def _check_len(args, max_model_len: int | None) -> int:
+    """max_model_len, by default the model's context up to 4096. Beyond the model's context it is refused, as
+    in vLLM: those positions were never trained (learned position tables do not even have them). RoPE models
+    may still be stretched on purpose with SPECDECODE_ALLOW_LONG_MAX_MODEL_LEN=1 (vLLM's
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN)."""
+    limit = context_limit(args)
     if max_model_len is None:
-        return min(args.max_position_embeddings, 4096)
-    if args.positions == "learned" and max_model_len > args.max_position_embeddings:
-        raise ValueError(f"max_model_len={max_model_len} exceeds the {args.max_position_embeddings} positions "
-                         f"this model was trained with; use max_model_len <= {args.max_position_embeddings}.")
+        return min(limit, 4096)
+    stretch = args.positions != "learned" and os.environ.get("SPECDECODE_ALLOW_LONG_MAX_MODEL_LEN") == "1"
+    if max_model_len > limit and not stretch:
+        raise ValueError(f"max_model_len={max_model_len} is larger than the model's maximum context of {limit} "
+                         f"tokens (max_position_embeddings / context_length in its config); use max_model_len <= "
+                         f"{limit}.")
     return max_model_len
 
 

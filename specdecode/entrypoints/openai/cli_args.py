@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import os
 from typing import Any
 
 from specdecode import options
@@ -104,18 +105,16 @@ def model_context_length(model: str | None) -> int | None:
         args = FAMILIES[family].make_args(config, family)
     except Exception:  # noqa: BLE001 - the load that follows reports a missing or broken model properly
         return None
-    limit = args.max_position_embeddings
-    scaling = args.rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) == "linear":
-        limit = int(limit * float(scaling.get("factor", 1.0)))
-    return limit
+    from specdecode.models.loader import context_limit
+
+    return context_limit(args)
 
 
 def check_max_model_len(kw: dict[str, Any]) -> None:
     """A max_model_len beyond the model's own context is refused (as vLLM does) before the models load: its
     positions were never trained, and a huge value would only fail later, allocating the KV cache."""
     n = kw.get("max_model_len")
-    if not isinstance(n, int):
+    if not isinstance(n, int) or os.environ.get("SPECDECODE_ALLOW_LONG_MAX_MODEL_LEN") == "1":
         return
     limit = model_context_length(kw.get("model"))
     if limit is not None and n > limit:
