@@ -400,7 +400,7 @@ def test_prompt_lookup_num_tokens(tiny_models, tiny_draft):
     assert (spec.lookup_k, spec.max_k) == (2, 6)
 
 
-def test_max_model_len_beyond_the_models_context_is_refused_in_python_too(tiny_models, monkeypatch):
+def test_max_model_len_beyond_the_models_context_is_refused_in_python_too(tiny_models, monkeypatch, tmp_path):
     """LLM(max_model_len=...) beyond the model's own context (1024 for the tiny llama) is a ValueError naming
     both numbers, as in vLLM; SPECDECODE_ALLOW_LONG_MAX_MODEL_LEN=1 stretches a RoPE model on purpose."""
     from specdecode import LLM
@@ -410,3 +410,11 @@ def test_max_model_len_beyond_the_models_context_is_refused_in_python_too(tiny_m
     monkeypatch.setenv("SPECDECODE_ALLOW_LONG_MAX_MODEL_LEN", "1")
     llm = LLM(str(tiny_models["llama"]), max_model_len=2048, speculative_config={"method": "none"})
     assert llm.engine.max_model_len == 2048
+    monkeypatch.delenv("SPECDECODE_ALLOW_LONG_MAX_MODEL_LEN")
+    # A draft model shorter than the target's max_model_len still drafts (its guesses only cost speed).
+    short = copy_model(tiny_models["llama"], tmp_path / "short_draft")
+    edit_config(short, max_position_embeddings=256)
+    llm = LLM(str(tiny_models["llama"]), max_model_len=512, speculative_model=str(short), num_speculative_tokens=2)
+    out = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=SamplingParams(max_tokens=8, **GREEDY),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 8

@@ -12,7 +12,7 @@ from specdecode.engine.kv_cache import BLOCK_SIZE, KVCache, resolve_kv_dtype
 from specdecode.engine.model_runner import ModelRunner
 from specdecode.models.loader import load_model
 
-from helpers_spec import one_thread  # noqa: F401  (fixture)
+from helpers_spec import edit_config, one_thread  # noqa: F401  (fixture)
 from tiny import build_model
 
 
@@ -65,6 +65,7 @@ def test_draft_sized_cache_at_4k_is_16_bit_one_key_copy_and_resident_only_where_
     1 slot and 4096 positions: keys and values once each, 2 bytes per element, and only the written blocks
     resident."""
     path = build_model("qwen2", tmp_path / "draft_sized", layers=24, hidden=256)  # 4 heads of 64, 2 KV heads
+    edit_config(path, max_position_embeddings=32768)  # the real draft's context, so that 4096 positions fit
     r = _runner(path, slots=1, max_len=4096)
     kv = r.kv_cache
     assert (kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.dtype) == (24, 2, 64, torch.float16)

@@ -418,6 +418,7 @@ SCHEMA_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"typ
     (C, {"prompt": "x", "stop_token_ids": [5, 512]}, "stop_token_ids"),
     (C, {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
     (C, {"prompt": "x", "logit_bias": {"99999999": 5}}, "logit_bias"),
+    (C, {"prompt": "x", "echo": True, "logprobs": 2}, "logprobs"),  # prompt logprobs are not computed
 ])
 def test_error_param_names_the_field(url, path, body, param):
     err = _err(httpx.post(f"{url}{path}", json={"model": MODEL, "max_tokens": 2, **body}), 400)

@@ -15,7 +15,7 @@ from specdecode.engine.model_runner import ModelRunner
 from specdecode.engine.request import Request, Status
 from specdecode.engine.scheduler import QueueFullError, Scheduler
 from specdecode.layers.sampler import logits_to_probs, logprobs_of, request_logits
-from specdecode.models.loader import load_model
+from specdecode.models.loader import check_context, load_model
 from specdecode.outputs import RequestOutput
 from specdecode.sampling_params import SamplingParams, check_text
 from specdecode.speculative import build_proposer, uses_draft_model
@@ -49,6 +49,7 @@ class LLMEngine:
         # One after the other: the tokenizers library holds the GIL while it parses, so a parse in a thread
         # only stalls the weights' loading (which was slower overlapped than after it).
         target = load_model(target_path, c.dtype, c.device, c.max_model_len, c.quantization)
+        check_context(target.model.args, target.max_model_len)
         self.tokenizer = load_tokenizer(target_path, target_path.is_file())
         self.max_model_len = target.max_model_len
         self.eos_token_ids = eos_ids(self.tokenizer, target.hf_config)

@@ -274,19 +274,25 @@ def context_limit(args) -> int:
 
 
 def _check_len(args, max_model_len: int | None) -> int:
-    """max_model_len, by default the model's context up to 4096. Beyond the model's context it is refused, as
-    in vLLM: those positions were never trained (learned position tables do not even have them). RoPE models
-    may still be stretched on purpose with SPECDECODE_ALLOW_LONG_MAX_MODEL_LEN=1 (vLLM's
-    VLLM_ALLOW_LONG_MAX_MODEL_LEN)."""
-    limit = context_limit(args)
+    """max_model_len, by default the model's context up to 4096. A learned position table has no rows beyond
+    the context; RoPE models run past it (a draft model may be shorter than the target: its drafts only cost
+    speed). The engine refuses a target's max_model_len beyond its context (``check_context``)."""
     if max_model_len is None:
-        return min(limit, 4096)
-    stretch = args.positions != "learned" and os.environ.get("SPECDECODE_ALLOW_LONG_MAX_MODEL_LEN") == "1"
-    if max_model_len > limit and not stretch:
+        return min(context_limit(args), 4096)
+    if args.positions == "learned" and max_model_len > args.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the {args.max_position_embeddings} positions "
+                         f"this model was trained with; use max_model_len <= {args.max_position_embeddings}.")
+    return max_model_len
+
+
+def check_context(args, max_model_len: int) -> None:
+    """A target's max_model_len beyond the model's own context is refused, as in vLLM: those positions were
+    never trained. SPECDECODE_ALLOW_LONG_MAX_MODEL_LEN=1 (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN) allows it."""
+    limit = context_limit(args)
+    if max_model_len > limit and os.environ.get("SPECDECODE_ALLOW_LONG_MAX_MODEL_LEN") != "1":
         raise ValueError(f"max_model_len={max_model_len} is larger than the model's maximum context of {limit} "
                          f"tokens (max_position_embeddings / context_length in its config); use max_model_len <= "
-                         f"{limit}.")
-    return max_model_len
+                         f"{limit}, or set SPECDECODE_ALLOW_LONG_MAX_MODEL_LEN=1 to run past it.")
 
 
 def _finish_model(model: CausalLM, args, max_model_len: int, dev: torch.device) -> None:

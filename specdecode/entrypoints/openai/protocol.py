@@ -208,6 +208,11 @@ class CompletionRequest(_SamplingRequest):
     def to_sampling_params(self) -> SamplingParams:
         if self.suffix:
             raise ValueError("suffix is not supported.")
+        if self.echo and self.logprobs is not None:
+            # OpenAI and vLLM then also score the prompt's tokens; answering with the completion's alone would
+            # look like the same thing.
+            raise ValueError("logprobs together with echo asks for the prompt's logprobs too, which this server "
+                             "does not compute; drop echo or logprobs.")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of must equal n (got best_of={self.best_of}, n={self.n}); "
                              "best-of-n selection is not supported.")
