@@ -147,8 +147,8 @@ def logits_to_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
 def _top_p(pr: torch.Tensor, top_p: float) -> torch.Tensor:
     """pr [V] restricted to its nucleus: the smallest set of most likely tokens whose mass reaches top_p (the
     token that crosses it stays). The nucleus is looked for among the top 256 tokens first, then 4x as many,
-    and so on: sorting the whole 152k vocabulary took 12.5 ms a row on CPU, the top 256 take well under 1 ms,
-    and a nucleus is rarely larger."""
+    and so on: a nucleus is rarely larger, and sorting a whole large vocabulary per row costs far more on CPU
+    than the rest of sampling (docs/benchmarks.md, session 19)."""
     n = min(256, pr.numel())
     while True:
         top, idx = pr.topk(n)
@@ -162,9 +162,10 @@ def _top_p(pr: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One draw from probs [V] (any nonnegative weights): the token whose interval of the cumulative sum holds
-    a uniform draw. torch.multinomial does the same job about 20x slower on CPU over a 152k vocabulary (3.6
-    against 0.19 ms), once per emitted token and per draft-model guess. The sum runs in float64, so every token
-    keeps its share to far below sampling noise; a token of weight 0 has an empty interval and is never drawn."""
+    a uniform draw. It replaces torch.multinomial, which is many times slower on CPU over a large vocabulary
+    and runs once per emitted token and per draft-model guess (docs/benchmarks.md, session 19). The sum runs in
+    float64, so every token keeps its share to far below sampling noise; a token of weight 0 has an empty
+    interval and is never drawn."""
     cdf = probs.double().cumsum(-1)
     u = torch.rand(1, generator=generator, dtype=torch.float64, device=probs.device) * cdf[-1]
     return int(torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1).item())
