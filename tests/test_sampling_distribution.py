@@ -446,3 +446,22 @@ def test_a_top_p_below_float32_range_keeps_the_most_likely_token():
     for top_p in (1e-46, 1e-30):
         probs = logits_to_probs(logits, [SamplingParams(temperature=1.0, top_p=top_p)])
         assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]
+
+
+def test_top_p_nucleus_equals_a_full_sort():
+    """The nucleus search (candidates near the top, then growing top-k) keeps exactly the tokens a sort of the
+    whole row keeps, for flat and peaked rows, small and large vocabularies, and top_p near 0 and 1."""
+    from specdecode.layers.sampler import _top_p
+
+    def by_sort(pr, top_p):
+        sp, idx = pr.sort(descending=True, stable=True)
+        drop = (sp.cumsum(0) - sp) >= top_p
+        drop[0] = False
+        return pr.masked_fill(torch.zeros_like(drop).scatter_(0, idx, drop), 0.0)
+
+    g = torch.Generator().manual_seed(3)
+    for scale in (0.1, 1.0, 3.0, 8.0, 20.0):
+        for top_p in (1e-46, 0.1, 0.5, 0.9, 0.95, 0.999, 0.99999):
+            for V in (7, 1000, 151936):
+                pr = torch.softmax(torch.randn(V, generator=g) * scale, 0)
+                assert torch.equal(_top_p(pr, top_p), by_sort(pr, top_p)), (scale, top_p, V)

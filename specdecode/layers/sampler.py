@@ -138,7 +138,7 @@ def logits_to_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         if p.min_p > 0.0:
             pr = pr.masked_fill(pr < p.min_p * pr.max(), 0.0)
         probs[i] = pr / pr.sum()
-    if not bool(torch.isfinite(probs).all()):
+    if not bool(torch.isfinite(probs.sum(-1)).all()):  # a row holding a NaN or an infinity sums to one
         raise SamplingError("The sampling parameters gave non-finite probabilities (check temperature and the "
                             "penalties).")
     return probs
@@ -146,18 +146,37 @@ def logits_to_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
 
 def _top_p(pr: torch.Tensor, top_p: float) -> torch.Tensor:
     """pr [V] restricted to its nucleus: the smallest set of most likely tokens whose mass reaches top_p (the
-    token that crosses it stays). The nucleus is looked for among the top 256 tokens first, then 4x as many,
-    and so on: a nucleus is rarely larger, and sorting a whole large vocabulary per row costs far more on CPU
-    than the rest of sampling (docs/benchmarks.md, session 19)."""
+    token that crosses it stays). Sorting a whole large vocabulary per row costs far more on CPU than the rest
+    of sampling (docs/benchmarks.md, session 19), and a nucleus is small: it is looked for among the tokens
+    within 1e-4 of the most likely one where they are few, else among the top 256 tokens, then 4x as many, and
+    so on. A candidate set that does not contain the crossing token is never used."""
+    few = pr >= pr.max() * 1e-4
+    if int(few.sum()) <= 1024:
+        found = _nucleus(pr, few.nonzero().squeeze(1), top_p)
+        if found is not None:
+            return found
     n = min(256, pr.numel())
     while True:
         top, idx = pr.topk(n)
-        # keep a prefix of the sorted top tokens: those whose mass before them is still below top_p
-        keep = (top.cumsum(0) - top) < top_p
-        keep[0] = True  # the most likely token always stays (a top_p below float32's range is 0)
-        if not bool(keep[-1]) or n == pr.numel():
-            return torch.zeros_like(pr).index_copy_(0, idx[keep], top[keep])
+        found = _nucleus(pr, idx, top_p, top)
+        if found is not None or n == pr.numel():
+            return found if found is not None else pr
         n = min(4 * n, pr.numel())
+
+
+def _nucleus(pr: torch.Tensor, cand: torch.Tensor, top_p: float,
+             top: torch.Tensor | None = None) -> torch.Tensor | None:
+    """pr restricted to the nucleus if it lies within the candidate ids ``cand`` (``top``: their probabilities
+    in descending order, if known), else None."""
+    if top is None:
+        top, order = pr[cand].sort(descending=True, stable=True)
+        cand = cand[order]
+    # keep a prefix of the sorted candidates: those whose mass before them is still below top_p
+    keep = (top.cumsum(0) - top) < top_p
+    keep[0] = True  # the most likely token always stays (a top_p below float32's range is 0)
+    if bool(keep[-1]) and cand.numel() < pr.numel():
+        return None  # the nucleus may go on past the candidates
+    return torch.zeros_like(pr).index_copy_(0, cand[keep], top[keep])
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
