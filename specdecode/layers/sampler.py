@@ -218,7 +218,7 @@ class PositionNoise:
     def row(self, position: int, size: int, device: torch.device | str) -> torch.Tensor:
         key = (position, size)
         noise = self._rows.get(key)
-        if noise is None or noise.device != torch.device(device):
+        if noise is None:  # (a request's rows all live on one device)
             g = torch.Generator(device=device)
             g.manual_seed(_splitmix64(self.seed ^ _splitmix64(position)))
             # -log(u) for u in [0, 1): never 0, so a token of probability 0 scores 0 and is never chosen
