@@ -138,7 +138,7 @@ def logits_to_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         if p.min_p > 0.0:
             pr = pr.masked_fill(pr < p.min_p * pr.max(), 0.0)
         probs[i] = pr / pr.sum()
-    if not bool(torch.isfinite(probs.sum(-1)).all()):  # a row holding a NaN or an infinity sums to one
+    if not bool(torch.isfinite(probs.sum(-1)).all()):  # a NaN or an infinity makes its row's sum non-finite
         raise SamplingError("The sampling parameters gave non-finite probabilities (check temperature and the "
                             "penalties).")
     return probs
@@ -159,8 +159,8 @@ def _top_p(pr: torch.Tensor, top_p: float) -> torch.Tensor:
     while True:
         top, idx = pr.topk(n)
         found = _nucleus(pr, idx, top_p, top)
-        if found is not None or n == pr.numel():
-            return found if found is not None else pr
+        if found is not None:  # always, once the candidates are the whole row
+            return found
         n = min(4 * n, pr.numel())
 
 
