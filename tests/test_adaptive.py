@@ -659,3 +659,68 @@ def test_a_full_cost_cache_drops_entries_of_vanished_models_first(tmp_path, monk
     stored = json.loads((tmp_path / "adaptive_costs.json").read_text())
     assert sorted(stored) == ["new-kept", "newer-kept", "old-kept"]
     assert stored["old-kept"]["files"] == [str(kept)]
+
+
+def test_the_targets_confidence_judges_a_draft_model_that_has_not_drafted_yet():
+    """A request that has not drafted is judged by what the target's confidence over its latest positions
+    predicts (ConfidenceRates, learned from verifications), not by the engine-wide rate of the requests before
+    it: after a run of badly accepted answers, text the target is sure of still starts the draft model, and
+    text it hesitates over does not."""
+    from types import SimpleNamespace
+
+    from specdecode.speculative.adaptive import ConfidenceRates
+
+    policy = AdaptiveK(enabled=True, costs=_cpu_like())
+    for _ in range(40):  # the requests so far: the draft model's first tokens mostly rejected
+        policy.costs.observe_acceptance(Acceptance(), 2, 0)
+    for _ in range(200):  # ... where the target hesitated; where it was sure, they were accepted
+        policy.confidence.observe(0.45, False)
+        policy.confidence.observe(0.995, True)
+    assert policy.confidence.rate(0.995) > 0.9 and policy.confidence.rate(0.45) < 0.1
+
+    def request(confidences: list[float]):
+        return SimpleNamespace(all_token_ids=[1] * 460, num_output_tokens=60, draft_computed=0,
+                               acceptance=Acceptance(), lookup_acceptance=Acceptance(), spec_plan=None,
+                               confidence=list(confidences))
+
+    assert policy.plan([request([])], [400], [0], [4]) == [(False, 0)]  # the engine-wide rate: plain
+    assert policy.plan([request([0.995] * 8)], [400], [0], [4])[0][1] > 0
+    assert policy.plan([request([0.45] * 8)], [400], [0], [4]) == [(False, 0)]
+    # Learned per band, and apart for a step inside a run of accepted drafts; a band nobody observed predicts
+    # its own confidence. The prior is the mean over the request's confidences, the engine-wide rate one more.
+    fresh = ConfidenceRates()
+    assert fresh.rate(0.8) == pytest.approx(0.8) == fresh.rate(0.8, in_run=True)
+    for _ in range(50):
+        fresh.observe(0.8, False)
+        fresh.observe(0.8, True, in_run=True)
+    assert fresh.rate(0.8) < 0.2 < 0.8 < fresh.rate(0.8, in_run=True)
+    assert fresh.rate(0.95) == pytest.approx(0.95)
+    engine = Acceptance(decay=1.0, first_ok=1, first_n=2, next_ok=1, next_n=2)
+    first, nxt = engine.kind_rates()
+    p = fresh.prior([0.8, 0.95], engine)
+    assert p.kind_rates() == (pytest.approx((fresh.rate(0.8) + 0.95 + first) / 3),
+                              pytest.approx((fresh.rate(0.8, True) + 0.95 + nxt) / 3))
+
+
+def test_the_engine_notes_the_targets_confidence_for_a_draft_model(one_thread, llm_cache, tiny_models, tiny_draft):
+    """With adaptive k and a draft model, each request keeps the target's top probability at its latest steps'
+    first positions, and the verifications teach the policy's confidence bands; greedy output is unchanged."""
+    plain = gen_ids(llm_cache.get(tiny_models["llama"]), PROMPTS[:2], max_tokens=16, **GREEDY)
+    llm = llm_cache.get(tiny_models["llama"], speculative_model=tiny_draft, num_speculative_tokens=3,
+                        speculative_adaptive=True)
+    seen = []
+    eng = llm.engine
+    orig = eng.proposer.observe
+
+    def observe(request, drafted, accepted, emitted):
+        seen.append(list(request.confidence))
+        return orig(request, drafted, accepted, emitted)
+
+    eng.proposer.observe = observe
+    try:
+        assert gen_ids(llm, PROMPTS[:2], max_tokens=16, **GREEDY) == plain
+    finally:
+        del eng.proposer.observe
+    assert seen and all(0 < len(c) <= 8 and all(0.0 <= x <= 1.0 for x in c) for c in seen)
+    assert max(len(c) for c in seen) == 8
+    assert sum(n for _, n in eng.proposer.policy.confidence.counts) > 0

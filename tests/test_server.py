@@ -97,6 +97,11 @@ def test_models_and_health(url, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert models.data[0].max_model_len == MAX_LEN
+    one = client.models.retrieve(MODEL)  # GET /v1/models/{id}
+    assert one.id == MODEL and one.max_model_len == MAX_LEN
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no-such-model")
+    assert e.value.body["code"] == "model_not_found" and "no-such-model" in e.value.body["message"]
 
 
 def test_completion_greedy_matches_offline(client, offline):

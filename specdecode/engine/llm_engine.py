@@ -444,6 +444,7 @@ class LLMEngine:
                                       [r.argmax_rows], [None])
             r.metrics.first_token_time = time.time()
             if self.proposer is not None:
+                self.proposer.note_target(r, lg)
                 self.proposer.prefill(r)
             self._commit(r, result.tokens[0], lg[None])
 
@@ -496,10 +497,11 @@ class LLMEngine:
             if drafts[i]:
                 r.metrics.spec_decode.record(len(drafts[i]), a)
                 self.spec_stats.record(len(drafts[i]), a)
+            f = len(forced[i])
             if proposer is not None:
                 proposer.rollback(r, r.num_computed)
+                proposer.note_target(r, logits[i][f if a >= f else 0])  # where the proposer's drafts began
             self._commit(r, emitted, logits[i])
-            f = len(forced[i])
             r.num_forced += min(a, f)
             if a < f:
                 learn_spelling(r, forced[i], a, emitted)

@@ -58,6 +58,7 @@ class Request:
         # adaptive k: this request's acceptance of draft-model drafts and of drafts looked up in its context
         self.acceptance = Acceptance()
         self.lookup_acceptance = Acceptance()
+        self.confidence: list[float] = []  # the target's top probability at each step's first position, latest last
         # The proposer's own per-request state: what this step drafted and from where (HybridProposer), the
         # request's suffix index and its last lookup with each token's evidence (SuffixProposer). Kept here so
         # that it goes when the request goes.

@@ -116,6 +116,13 @@ class SamplingError(ValueError):
     temperature). The engine fails that request alone."""
 
 
+def top_probability(logits: torch.Tensor) -> float | None:
+    """The softmax's largest probability for one row of logits [V] (None if the row is not finite)."""
+    lg = logits.float()
+    top = float(torch.exp(lg.max() - torch.logsumexp(lg, -1)))
+    return top if 0.0 <= top <= 1.0 else None
+
+
 def logits_to_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p, then softmax. Greedy rows get a one-hot argmax.
 

@@ -72,6 +72,12 @@ _ASSURED = 0.9         # a one-off draft catch-up must pay back within what this
 # has not reached L yet is not taken to end any sooner than L.
 _LEN_SPREAD = tuple(2.0 ** (j / 4) for j in range(5))
 _PEAK_DECAY = 0.98     # per step: how fast the remembered batch size falls back after the batch shrinks
+# The target's confidence (its top probability) at a position predicts whether the draft model's token there is
+# accepted, so a request's recent confidences say how well the draft model would do on it before it drafts.
+_CONFIDENCE_BANDS = (0.3, 0.5, 0.7, 0.9, 0.99)
+_CONFIDENCE_WINDOW = 8     # a request's latest steps whose confidence stands for its text
+_CONFIDENCE_DECAY = 0.995  # per observation of a band: the draft model's acceptance in it, over recent requests
+_CONFIDENCE_PRIOR = 4.0    # pseudo-trials at the band's own confidence before any are seen
 
 
 @dataclass
@@ -130,6 +136,47 @@ class Acceptance:
 
 def _prior() -> Acceptance:
     return Acceptance(decay=_PRIOR_DECAY)  # the neutral pseudo-trial stands in until verifications come in
+
+
+class ConfidenceRates:
+    """How often the draft model's first token of a step is accepted, by the target's confidence (its top
+    probability) at that position, learned from verifications in bands of confidence, apart for a step that
+    starts inside a run of accepted drafts and one that does not (Acceptance's "next" and "first"). A request's
+    expected acceptance is then the rate of the confidences of its latest positions: text the target is sure of
+    (arithmetic, code, a list the prompt spells out) is text a small model of its family guesses, and text it
+    hesitates over (open prose, a translation's word choice) is not. This is what a request that has not
+    drafted yet is judged by, instead of the engine-wide rate of whatever requests came before it."""
+
+    def __init__(self):
+        # (in a run, band) -> (accepted, tried)
+        self.counts = {(run, b): (0.0, 0.0) for run in (False, True) for b in range(len(_CONFIDENCE_BANDS) + 1)}
+
+    def rate(self, confidence: float, in_run: bool = False) -> float:
+        ok, n = self.counts[in_run, bisect.bisect_right(_CONFIDENCE_BANDS, confidence)]
+        return (ok + _CONFIDENCE_PRIOR * confidence) / (n + _CONFIDENCE_PRIOR)
+
+    def observe(self, confidence: float, accepted: bool, in_run: bool = False) -> None:
+        key = in_run, bisect.bisect_right(_CONFIDENCE_BANDS, confidence)
+        ok, n = self.counts[key]
+        self.counts[key] = (_CONFIDENCE_DECAY * ok + accepted, _CONFIDENCE_DECAY * n + 1.0)
+
+    def prior(self, confidences: list[float], engine: Acceptance) -> "_Fixed":
+        """The draft-model prior of a request whose latest confidences are ``confidences``: per kind, the mean
+        rate of its confidences, with the engine-wide rate as one more of them."""
+        first, nxt = engine.kind_rates()
+        n = len(confidences) + 1
+        return _Fixed((sum(self.rate(c) for c in confidences) + first) / n,
+                      (sum(self.rate(c, True) for c in confidences) + nxt) / n)
+
+
+@dataclass
+class _Fixed:
+    """Fixed (first, next) rates with Acceptance's ``kind_rates``: a prior that is computed, not counted."""
+    first: float
+    next: float
+
+    def kind_rates(self, prior=None) -> tuple[float, float]:
+        return self.first, self.next
 
 
 @dataclass
@@ -643,6 +690,7 @@ class AdaptiveK:
         self._points: tuple[list[float], list[float]] | None = None  # see _length_points; None: to rebuild
         self._peak = 0.0  # recent batch sizes, decayed: what a batch that shrank for a moment grows back to
         self.expected_batch = 0  # requests the engine holds now (Proposer.expect_batch)
+        self.confidence = ConfidenceRates()
 
     def calibrate(self, target, draft, k_max: int, max_len: int, identity: dict[str, Any],
                   refresh: bool = False) -> CostModel:
@@ -745,7 +793,7 @@ class AdaptiveK:
         if cap <= 0:
             return []
         p1, q = rates if rates is not None else (
-            (r.lookup_acceptance if lookup else r.acceptance).rates(self.costs.prior_of(lookup)))
+            (r.lookup_acceptance if lookup else r.acceptance).rates(self.prior_of(r, lookup)))
         lag = 0
         if not lookup:
             done = getattr(r, "draft_computed", 0)
@@ -771,7 +819,7 @@ class AdaptiveK:
             if not cap:
                 continue
             acc = r.lookup_acceptance if lookup else r.acceptance
-            hope = max(OPTIMISTIC_RATE, *acc.rates(self.costs.prior_of(lookup)))
+            hope = max(OPTIMISTIC_RATE, *acc.rates(self.prior_of(r, lookup)))
             # A probe is one step, not a commitment: a draft model that sat out must first catch up on every
             # token it missed, and that is only worth it if even this single step pays for it.
             if not batch.best_for(i, opts=[_plain(r)] + self._options(r, lookup, cap, budget, sc, (hope, hope),
@@ -785,6 +833,22 @@ class AdaptiveK:
                 acc.probe_every = min(2 * acc.probe_every, MAX_PROBE_EVERY)
                 return lookup, 1
         return False, 0
+
+    def note_confidence(self, r, confidence: float | None) -> None:
+        """The target's confidence at r's step's first position (``Proposer.note_target``); r keeps its latest."""
+        if confidence is not None:
+            r.confidence.append(confidence)
+            del r.confidence[:-_CONFIDENCE_WINDOW]
+
+    def prior_of(self, r, lookup: bool):
+        """What r's own counts of a draft kind are smoothed toward: the engine-wide counts; for a draft model
+        that has not drafted for r yet, what the target's confidence over r's latest positions predicts
+        (``ConfidenceRates``), where the engine notes it. Once r has its own counts, the engine-wide ones
+        smooth them as before."""
+        confidences = getattr(r, "confidence", None)
+        if lookup or not confidences or r.acceptance.first_n + r.acceptance.next_n > 0:
+            return self.costs.prior_of(lookup)
+        return self.confidence.prior(confidences, self.costs.prior)
 
     def assured_left(self, r, budget: int) -> float:
         """Tokens r goes on to emit with probability _ASSURED, judging by the finished requests that ran at
@@ -848,6 +912,10 @@ class AdaptiveK:
         """Teach the counts what this step showed about each draft kind of r. ``found``: a lookup that was
         available but not used; ``copied_from``: where a copy opened by draft-model tokens begins."""
         costs = self.costs
+        confidences = getattr(r, "confidence", None)
+        if confidences and drafted and not looked_up and copied_from != 0:
+            # the step's first row is the draft model's first token (the engine noted its confidence last)
+            self.confidence.observe(confidences[-1], accepted >= 1, r.acceptance.in_run)
         if copied_from is not None:
             # The draft model's tokens, then a copy they opened: each part counts for its own kind; the copy
             # was only tried if every draft-model token before it was accepted.

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdecode.layers.sampler import top_probability
 from specdecode.speculative.adaptive import AdaptiveK, CostModel
 
 
@@ -80,6 +81,13 @@ class Proposer:
         """Per request: the most tokens to draft, the budget clamped to k (default: this proposer's k)."""
         k = self.k if k is None else k
         return [max(0, b if k is None else min(k, b)) for b in budgets]
+
+    def note_target(self, request, logits: torch.Tensor) -> None:
+        """The target's logits [V] at the first position of request's step (its prefill's last position, then
+        each verification's first row). Adaptive k with a draft model notes the target's confidence there
+        (``AdaptiveK.note_confidence``): it says how well the draft model would do before it drafts."""
+        if self.policy.enabled and self.draft_runner is not None:
+            self.policy.note_confidence(request, top_probability(logits))
 
     def prefill(self, request) -> None:
         """A new request's prompt is in the target's cache."""

@@ -734,6 +734,12 @@ def build_app(engine_kwargs: dict | None = None, served_model_name: str | list[s
         cards = [ModelCard(id=name, root=model_path, max_model_len=engine.max_model_len) for name in names]
         return ModelList(data=cards).model_dump()
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        # OpenAI's "retrieve model": the card of a served name (or of the model path a request may name)
+        name = model_id if model_id in names else srv.check_model(model_id)
+        return ModelCard(id=name, root=model_path, max_model_len=engine.max_model_len).model_dump()
+
     def params_of(body) -> SamplingParams:
         try:
             if isinstance(body, ChatCompletionRequest):
