@@ -7,12 +7,26 @@ from specdecode.speculative.metrics import SpecDecodeStats
 
 
 @dataclass
+class Logprob:
+    """vLLM's Logprob: a token's log probability, its rank in the vocabulary (1: the most likely) and its text."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position: the chosen token's Logprob and those of the top-N tokens (vLLM's SampleLogprobs); for a prompt,
+# the first position has none (vLLM's PromptLogprobs).
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list["dict[int, Logprob] | None"]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None
 
@@ -35,3 +49,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None  # why the request failed (finish_reason "error"); it failed alone
+    prompt_logprobs: PromptLogprobs | None = None  # SamplingParams.prompt_logprobs

@@ -40,6 +40,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # per prompt token: its logprob and the top-N (the first token has none)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -93,9 +94,10 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not _SEED_MIN <= self.seed <= _SEED_MAX):
             bad(f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}.")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
-                                          or not 0 <= self.logprobs <= 20):
-            bad(f"logprobs must be between 0 and 20, got {self.logprobs!r}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 20):
+                bad(f"{name} must be between 0 and 20, got {v!r}.")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop must be a string or a list of non-empty strings.")
         for s in self.stop:

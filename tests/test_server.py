@@ -242,6 +242,40 @@ def test_logprobs(client):
     assert [(x.token, round(x.logprob, 4)) for x in streamed] == [(x.token, round(x.logprob, 4)) for x in content]
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, offline):
+    """lm-eval's loglikelihood request: echo, logprobs and max_tokens 0 give the prompt back with a logprob per
+    token (the first has none) and generate nothing; with max_tokens the completion's entries follow. The
+    values are the offline prompt_logprobs'; streamed, the echo chunk carries them."""
+    prompt = "The quick brown fox jumps over the lazy dog"
+    ref = offline.generate([prompt], SamplingParams(prompt_logprobs=2, max_tokens=1, temperature=0),
+                           use_tqdm=False)[0]
+    n = len(ref.prompt_token_ids)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    c = r.choices[0]
+    assert c.text == prompt and c.finish_reason == "length"
+    assert r.usage.prompt_tokens == n and r.usage.completion_tokens == 0
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and "".join(lp.tokens) == prompt
+    want = [d[t].logprob for t, d in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:])]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-5)
+    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs[1:])
+    # with a completion after the prompt
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True, logprobs=1, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert r.usage.completion_tokens == 3 and len(lp.tokens) == n + 3
+    assert lp.token_logprobs[1:n] == pytest.approx(want, abs=1e-5)
+    assert r.choices[0].text.startswith(prompt) and lp.text_offset[n] == len(prompt)
+    # streamed: the echo (with the prompt's logprobs) first, then nothing for max_tokens 0
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=2,
+                                            temperature=0, stream=True))
+    texts = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert texts == prompt and chunks[-1].choices[0].finish_reason == "length"
+    streamed = [v for ch in chunks if ch.choices and ch.choices[0].logprobs for v in ch.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(want, abs=1e-5)
+
+
 def test_stop_strings(client):
     base = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=40, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text
@@ -423,7 +457,7 @@ SCHEMA_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"typ
     (C, {"prompt": "x", "stop_token_ids": [5, 512]}, "stop_token_ids"),
     (C, {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
     (C, {"prompt": "x", "logit_bias": {"99999999": 5}}, "logit_bias"),
-    (C, {"prompt": "x", "echo": True, "logprobs": 2}, "logprobs"),  # prompt logprobs are not computed
+    (C, {"prompt": "x", "max_tokens": 0}, "max_tokens"),  # 0 only with echo (scoring the prompt)
 ])
 def test_error_param_names_the_field(url, path, body, param):
     err = _err(httpx.post(f"{url}{path}", json={"model": MODEL, "max_tokens": 2, **body}), 400)

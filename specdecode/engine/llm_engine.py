@@ -26,6 +26,10 @@ from specdecode.structured.speculation import (commit_token, constrain_proposal,
                                                 mask_rows, matcher_of)
 from specdecode.tokenizer import eos_ids, load_tokenizer, same_tokenizer_files
 
+# The most prompt rows one pass computes for a request that wants its prompt's logprobs: each row's logits span
+# the vocabulary, so a chunk's are this many rows of it at most.
+PROMPT_LOGPROBS_ROWS = 256
+
 logger = logging.getLogger("specdecode")
 
 __all__ = ["LLMEngine", "QueueFullError"]
@@ -51,6 +55,7 @@ class LLMEngine:
         target = load_model(target_path, c.dtype, c.device, c.max_model_len, c.quantization)
         check_context(target.model.args, target.max_model_len)
         self.tokenizer = load_tokenizer(target_path, target_path.is_file())
+        self.token_text = functools.lru_cache(maxsize=65536)(self._token_text)
         self.max_model_len = target.max_model_len
         self.eos_token_ids = eos_ids(self.tokenizer, target.hf_config)
         self.model_path = target_path
@@ -294,9 +299,10 @@ class LLMEngine:
             if r.status is not Status.RUNNING:
                 continue  # preempted by an older request's chunk
             self._use_prefix_cache(r)
-            if chunks and self._computed_by(chunks, r):
+            every_row = r.needs_prompt_logprobs
+            if chunks and not every_row and self._computed_by(chunks, r):
                 continue
-            n = self._chunk(r, budget, not chunks)
+            n = self._chunk(r, min(budget, PROMPT_LOGPROBS_ROWS) if every_row else budget, not chunks)
             if n == 0 or not self._reserve(r, r.num_computed + n, preempt):
                 break
             chunks[r] = n
@@ -321,6 +327,8 @@ class LLMEngine:
         its last prompt token left to compute, whose logits give the first output token. Later, while every
         block the request holds came from the cache, take the blocks the cache has gained since (another
         request's chunk computed them from the same tokens)."""
+        if r.needs_prompt_logprobs:
+            return  # every prompt row's logits are needed: nothing may come from the cache
         limit = r.prefill_end if r.resumed else r.prefill_end - 1
         if r.prefix_checked and (r.num_computed % BLOCK_SIZE or r.num_computed + BLOCK_SIZE > limit):
             return
@@ -426,16 +434,21 @@ class LLMEngine:
         """Prefill the next ``chunks[r]`` prompt tokens of each request in one target pass; at a prompt's end,
         sample its first output token."""
         starts = {r: r.num_computed for r in reqs}
-        logits = self.target.prefill_many([(r.slot, starts[r], r.all_token_ids[starts[r]:starts[r] + chunks[r]])
-                                           for r in reqs])
-        self._prefilled(reqs, chunks, starts, dict(zip(reqs, logits)))
+        seqs = [(r.slot, starts[r], r.all_token_ids[starts[r]:starts[r] + chunks[r]]) for r in reqs]
+        every_row = [r.needs_prompt_logprobs for r in reqs]
+        logits = self.target.prefill_many(seqs, every_row) if any(every_row) else self.target.prefill_many(seqs)
+        self._prefilled(reqs, chunks, starts, {r: lg if lg.dim() == 2 else lg[None] for r, lg in zip(reqs, logits)})
 
     def _prefilled(self, reqs: list[Request], chunks: dict[Request, int], starts: dict[Request, int],
                    logits: dict[Request, torch.Tensor]) -> None:
-        """After a pass computed each request's chunk (``logits``: its last token's): advance, register the
-        blocks, and at a prompt's end sample its first output token."""
+        """After a pass computed each request's chunk (``logits``: its rows' [n, V], every row for a request that
+        wants its prompt's logprobs, else the last): advance, register the blocks, note prompt logprobs, and at
+        a prompt's end sample its first output token."""
         for r in reqs:
             start, lg = starts[r], logits[r]
+            if r.needs_prompt_logprobs:
+                self._note_prompt_logprobs(r, start, lg)
+            lg = lg[-1]
             r.num_computed = start + chunks[r]
             self.pool.register(r.slot, r.all_token_ids, r.num_computed, r.draft_computed)
             if r.prefilling or r.resumed:
@@ -447,6 +460,17 @@ class LLMEngine:
                 self.proposer.note_target(r, lg)
                 self.proposer.prefill(r)
             self._commit(r, result.tokens[0], lg[None])
+
+    def _note_prompt_logprobs(self, r: Request, start: int, rows: torch.Tensor) -> None:
+        """Prompt logprobs from a chunk's rows: row i (position start + i) gives the logprob of the prompt token
+        at start + i + 1. Positions already noted (a preempted request prefills again) are skipped."""
+        have, end = len(r.prompt_logprobs), len(r.prompt_token_ids)
+        lo, hi = have - 1 - start, min(len(rows), end - 1 - start)
+        if lo < 0:
+            raise RuntimeError(f"prompt logprobs of {r.request_id}: positions {have}..{start} were never computed")
+        if hi > lo:
+            r.prompt_logprobs += logprobs_of(rows[lo:hi], r.all_token_ids[start + lo + 1:start + hi + 1],
+                                             r.params.prompt_logprobs, self.token_text)
 
     def _budgets(self, reqs: list[Request]) -> list[int]:
         """The most tokens each request may draft this step: what it may still emit, less the target's own
@@ -486,10 +510,10 @@ class LLMEngine:
         self._rows = sum(1 + len(d) for d in drafts)
         seqs = [(r.slot, r.num_computed, [r.all_token_ids[-1]] + d) for r, d in zip(reqs, drafts)]
         chunks = self._join_prompts(seqs) if join_prompts else {}
-        logits = self.target.forward_rows(seqs, all_logits=[True] * len(reqs) + [False] * len(chunks))
+        logits = self.target.forward_rows(seqs, all_logits=[True] * len(reqs)
+                                          + [r.needs_prompt_logprobs for r in chunks])
         if chunks:
-            self._joined = (chunks, {r: r.num_computed for r in chunks},
-                            {r: lg[-1] for r, lg in zip(chunks, logits[len(reqs):])})
+            self._joined = (chunks, {r: r.num_computed for r in chunks}, dict(zip(chunks, logits[len(reqs):])))
         result = self._rejection_sample(reqs, logits[:len(reqs)], prop)
         for i, r in enumerate(reqs):
             a, emitted = result.num_accepted[i], result.tokens[i]
@@ -556,14 +580,14 @@ class LLMEngine:
 
     def _commit(self, r: Request, tokens: list[int], logits: torch.Tensor) -> None:
         """Append emitted tokens one by one, stopping exactly where plain decoding would stop."""
-        p = r.params
+        lps = (logprobs_of(logits[:len(tokens)], tokens, r.params.logprobs, self.token_text)
+               if r.logprobs is not None else None)
         for j, t in enumerate(tokens):
             r.all_token_ids.append(t)
             self.num_generation_tokens += 1
-            if r.logprobs is not None:
-                lp = logprobs_of(logits[j], t, p.logprobs)
-                r.logprobs.append(lp)
-                r.cumulative_logprob += lp[t]
+            if lps is not None:
+                r.logprobs.append(lps[j])
+                r.cumulative_logprob += lps[j][t].logprob
             r.detok.add(t)
             grammar_done = commit_token(r, t)  # structured outputs: the grammar follows committed tokens only
             if self._check_stop(r, t) or grammar_done:
@@ -573,6 +597,10 @@ class LLMEngine:
                 if self.proposer is not None:
                     self.proposer.finish(r)
                 return
+
+    def _token_text(self, token_id: int) -> str:
+        """One token's text on its own (a Logprob's decoded_token; ``token_text`` caches it)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _check_stop(self, r: Request, t: int) -> bool:
         p, full = r.params, r.detok.text

@@ -48,13 +48,16 @@ class ModelRunner:
         """Computes KV for token_ids at positions start.. and returns the last token's logits [V]."""
         return self.prefill_many([(slot, start, token_ids)])[0]
 
-    def prefill_many(self, seqs: list[tuple[int, int, list[int]]]) -> list[torch.Tensor]:
+    def prefill_many(self, seqs: list[tuple[int, int, list[int]]],
+                     all_logits: list[bool] | None = None) -> list[torch.Tensor]:
         """Prompt chunks of several slots in one pass, seqs: (slot, start position, tokens). Returns each
-        chunk's last-token logits [V]. Each chunk's keys, values and logits are those of prefilling it alone:
-        the linears are row-invariant and attention runs per chunk (layers.attention)."""
+        chunk's last-token logits [V], or where ``all_logits[i]``, every row's [len(tokens), V]. Each chunk's
+        keys, values and logits are those of prefilling it alone: the linears are row-invariant and attention
+        runs per chunk (layers.attention)."""
         if not all(toks for _, _, toks in seqs):
             raise ValueError("prefill_many: an empty chunk")
-        return [lg[0] for lg in self._pass(seqs, [False] * len(seqs), prefill=True)]
+        every = all_logits or [False] * len(seqs)
+        return [lg if e else lg[0] for lg, e in zip(self._pass(seqs, every, prefill=True), every)]
 
     def forward_rows(self, seqs: list[tuple[int, int, list[int]]],
                      all_logits: bool | list[bool]) -> list[torch.Tensor]:

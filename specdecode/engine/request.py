@@ -54,6 +54,8 @@ class Request:
         self.sent_tokens = 0
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
+        # SamplingParams.prompt_logprobs (the first of n samples computes them; the first token has none)
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None and index == 0 else None
         self.metrics = RequestMetrics(arrival_time=time.time())
         # adaptive k: this request's acceptance of draft-model drafts and of drafts looked up in its context
         self.acceptance = Acceptance()
@@ -69,6 +71,12 @@ class Request:
     @property
     def prefilling(self) -> bool:
         return self.num_computed < self.prefill_end
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Its prompt's logprobs are asked for and not all computed: its prompt rows all need their logits, and
+        no prefix may come from the cache."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -100,7 +108,8 @@ class Request:
 
     def to_output(self, delta: bool = False) -> RequestOutput:
         out = RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [self.completion(delta)],
-                            self.finished, self.metrics, self.error)
+                            self.finished, self.metrics, self.error,
+                            None if self.needs_prompt_logprobs else self.prompt_logprobs)
         if delta:
             self.sent_text, self.sent_tokens = len(self.text), self.num_output_tokens
         return out

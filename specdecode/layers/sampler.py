@@ -246,11 +246,24 @@ class PositionNoise:
             del self._rows[key]
 
 
-def logprobs_of(logits: torch.Tensor, token: int, top_n: int) -> dict[int, float]:
+def logprobs_of(logits: torch.Tensor, tokens: Sequence[int], top_n: int,
+                decode: Callable[[int], str] | None = None) -> list[dict[int, "Logprob"]]:
+    """Per row of logits [N, V]: the Logprob (log probability, rank, text) of the row's token ``tokens[i]`` and
+    of the row's ``top_n`` most likely tokens, as vLLM reports them."""
+    from specdecode.outputs import Logprob
+
     lp = torch.log_softmax(logits.float(), dim=-1)
-    out = {int(token): float(lp[token])}
-    if top_n > 0:
-        vals, ids = lp.topk(top_n)
-        for v, t in zip(vals.tolist(), ids.tolist()):
-            out.setdefault(int(t), float(v))
+    tok = torch.tensor(list(tokens), dtype=torch.long, device=lp.device)[:, None]
+    chosen = lp.gather(-1, tok)
+    ranks = ((lp > chosen).sum(-1) + 1).tolist()
+    top = lp.topk(top_n) if top_n > 0 else None
+    out = []
+    for i, t in enumerate(tokens):
+        t = int(t)
+        row = {t: Logprob(float(chosen[i, 0]), ranks[i], decode(t) if decode else None)}
+        if top is not None:
+            for r, (v, u) in enumerate(zip(top.values[i].tolist(), top.indices[i].tolist()), start=1):
+                if u not in row:
+                    row[u] = Logprob(v, r, decode(u) if decode else None)
+        out.append(row)
     return out

@@ -45,7 +45,7 @@ from specdecode.entrypoints.openai.protocol import (ChatChoice, ChatCompletionCh
                                                     DeltaMessage, ErrorResponse, ModelCard, ModelList, ParamError,
                                                     SpecDecodeSummary,
                                                     TokenLogprob, TopLogprob, UsageInfo)
-from specdecode.outputs import CompletionOutput, RequestOutput
+from specdecode.outputs import CompletionOutput, Logprob, RequestOutput
 from specdecode.sampling_params import SamplingParams
 from specdecode.speculative.metrics import SpecDecodeStats
 from specdecode.structured.tools import get_tool_parser, resolve_tool_parser, xgrammar_message
@@ -168,14 +168,21 @@ def _spec_summary(stats: list[SpecDecodeStats]) -> SpecDecodeSummary:
                              acceptance_rate=round(accepted / drafted, 6) if drafted else 0.0)
 
 
-def _usage(outs: list[RequestOutput]) -> UsageInfo:
+def _usage(outs: list[RequestOutput], generated: bool = True) -> UsageInfo:
     p = sum(len(o.prompt_token_ids) for o in outs)
-    c = sum(len(x.token_ids) for o in outs for x in o.outputs)
+    c = sum(len(x.token_ids) for o in outs for x in o.outputs) if generated else 0
     return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
 
 def _spec_of(outs: list[RequestOutput]) -> SpecDecodeSummary:
     return _spec_summary([o.metrics.spec_decode for o in outs if o.metrics is not None])
+
+
+def _extend(lp: CompletionLogprobs, more: CompletionLogprobs) -> None:
+    lp.tokens += more.tokens
+    lp.token_logprobs += more.token_logprobs
+    lp.top_logprobs += more.top_logprobs
+    lp.text_offset += more.text_offset
 
 
 class _Choice:
@@ -343,25 +350,40 @@ class OpenAIServer:
     def completion_logprobs(self, c: CompletionOutput, start: int, end: int, offset: int) -> CompletionLogprobs:
         lp = CompletionLogprobs()
         for t, d in zip(c.token_ids[start:end], (c.logprobs or [])[start:end]):
-            s = self.token_str(t)
-            lp.tokens.append(s)
-            lp.token_logprobs.append(d.get(t))
-            top: dict[str, float] = {}
-            for k, v in sorted(d.items(), key=lambda kv: -kv[1]):
-                top.setdefault(self.token_str(k), v)
-            lp.top_logprobs.append(top)
-            lp.text_offset.append(offset)
-            offset += len(s)
+            offset = self._add_completion_logprobs(lp, t, d, offset)
+        return lp
+
+    def _add_completion_logprobs(self, lp: CompletionLogprobs, token: int, d: dict[int, Logprob] | None,
+                                 offset: int) -> int:
+        """One position of a completions ``logprobs`` object (d None: a prompt's first token, which has no
+        logprob); returns the next position's text offset."""
+        s = self.token_str(token)
+        lp.tokens.append(s)
+        lp.token_logprobs.append(d[token].logprob if d else None)
+        top: dict[str, float] | None = None
+        if d:
+            top = {}
+            for k, v in sorted(d.items(), key=lambda kv: -kv[1].logprob):
+                top.setdefault(self.token_str(k), v.logprob)
+        lp.top_logprobs.append(top)
+        lp.text_offset.append(offset)
+        return offset + len(s)
+
+    def prompt_logprobs(self, out: RequestOutput) -> CompletionLogprobs:
+        """The prompt's tokens as a completions ``logprobs`` object (echo with logprobs); the first has none."""
+        lp = CompletionLogprobs()
+        offset = 0
+        for t, d in zip(out.prompt_token_ids, out.prompt_logprobs or []):
+            offset = self._add_completion_logprobs(lp, t, d, offset)
         return lp
 
     def chat_logprobs(self, c: CompletionOutput, start: int, end: int, top_n: int) -> ChatLogprobs:
         content = []
         for t, d in zip(c.token_ids[start:end], (c.logprobs or [])[start:end]):
             s = self.token_str(t)
-            tops = [TopLogprob(token=self.token_str(k), logprob=v, bytes=list(self.token_str(k).encode()))
-                    for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top_n]]
-            content.append(TokenLogprob(token=s, logprob=d.get(t, float("-inf")), bytes=list(s.encode()),
-                                        top_logprobs=tops))
+            tops = [TopLogprob(token=self.token_str(k), logprob=v.logprob, bytes=list(self.token_str(k).encode()))
+                    for k, v in sorted(d.items(), key=lambda kv: -kv[1].logprob)[:top_n]]
+            content.append(TokenLogprob(token=s, logprob=d[t].logprob, bytes=list(s.encode()), top_logprobs=tops))
         return ChatLogprobs(content=content)
 
     # ---- completions ----
@@ -372,11 +394,19 @@ class OpenAIServer:
         for p, out in enumerate(outs):
             for c in out.outputs:
                 prefix = echoes[p] if body.echo else ""
-                lp = (self.completion_logprobs(c, 0, len(c.token_ids), len(prefix))
-                      if body.logprobs is not None else None)
+                lp = None
+                if body.logprobs is not None:
+                    lp = self.prompt_logprobs(out) if body.echo else CompletionLogprobs()
+                    if not body.echo_only:
+                        _extend(lp, self.completion_logprobs(c, 0, len(c.token_ids), len(prefix)))
+                if body.echo_only:  # the one token generated to get there is not part of the answer
+                    choices.append(CompletionChoice(index=p * n + c.index, text=prefix, logprobs=lp,
+                                                    finish_reason="length"))
+                    continue
                 choices.append(CompletionChoice(index=p * n + c.index, text=prefix + c.text, logprobs=lp,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-        resp = CompletionResponse(id=rid, model=model, choices=choices, usage=_usage(outs), spec_decode=_spec_of(outs))
+        resp = CompletionResponse(id=rid, model=model, choices=choices, usage=_usage(outs, not body.echo_only),
+                                  spec_decode=_spec_of(outs))
         return resp.model_dump()
 
     async def stream_completion(self, rid: str, model: str, body: CompletionRequest, params: SamplingParams,
@@ -390,12 +420,26 @@ class OpenAIServer:
         def chunk(cs: list[CompletionChoice], **extra) -> str:
             return _sse(_chunk_dict(CompletionChunk(id=rid, created=created, model=model, choices=cs, **extra)))
 
+        # echo: the prompt first; with logprobs, once they are computed (with the first output of its prompt)
+        echoed = set() if body.echo and params.prompt_logprobs is not None else set(range(len(streams)))
         try:
-            if body.echo:
+            if body.echo and echoed:
                 yield chunk([CompletionChoice(index=ch.index, text=echoes[p]) for (p, _), ch in choices.items()])
             async for p, out in _merge(streams):
                 if out.finished:
                     finals[p] = out
+                if p not in echoed and out.prompt_logprobs is not None:
+                    echoed.add(p)
+                    lp = self.prompt_logprobs(out)
+                    for i in range(n):
+                        choices[(p, i)].offset = len(echoes[p])
+                    yield chunk([CompletionChoice(index=choices[(p, i)].index, text=echoes[p], logprobs=lp)
+                                 for i in range(n)])
+                if body.echo_only:  # nothing generated is sent: each choice just ends
+                    if out.finished:
+                        yield chunk([CompletionChoice(index=choices[(p, c.index)].index, text="",
+                                                      finish_reason="length") for c in out.outputs])
+                    continue
                 cs = []
                 for c in out.outputs:
                     ch = choices[(p, c.index)]
@@ -419,7 +463,7 @@ class OpenAIServer:
             # usage (and the spec-decode summary) goes in a chunk of its own, only when asked for (OpenAI, vLLM)
             if body.include_usage:
                 all_outs = [finals[i] for i in range(len(streams))]
-                yield chunk([], usage=_usage(all_outs), spec_decode=_spec_of(all_outs))
+                yield chunk([], usage=_usage(all_outs, not body.echo_only), spec_decode=_spec_of(all_outs))
         except Exception as e:  # noqa: BLE001 - reported in-band: the status line is already sent
             err = _from_exception(e)
             self.metrics.on_http_error(err.status)

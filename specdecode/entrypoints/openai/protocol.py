@@ -173,12 +173,14 @@ class _SamplingRequest(_Request):
         except ValueError as e:
             raise ParamError(self.constraint_param() or given[0], str(e)) from None
 
-    def _sampling(self, max_tokens: int | None, logprobs: int | None, tool_parser: str = "auto") -> SamplingParams:
+    def _sampling(self, max_tokens: int | None, logprobs: int | None, tool_parser: str = "auto",
+                  prompt_logprobs: int | None = None) -> SamplingParams:
         """Raises ValueError (reported as 400) for values SamplingParams rejects."""
         if self.stream_options is not None and not self.stream:
             # vLLM refuses it too: stream options without a stream are a client mistake, not a no-op
             raise ParamError("stream_options", "stream_options can only be given when stream is true.")
-        kw: dict[str, Any] = dict(n=self.n, max_tokens=max_tokens, logprobs=logprobs, min_tokens=self.min_tokens,
+        kw: dict[str, Any] = dict(n=self.n, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                  min_tokens=self.min_tokens,
                                   logit_bias=self.logit_bias or None,
                                   ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
                                   include_stop_str_in_output=self.include_stop_str_in_output, seed=self.seed,
@@ -199,24 +201,30 @@ class _SamplingRequest(_Request):
 # ---------------------------------------------------------------- /v1/completions
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
 
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt back (with its logprobs, if asked), nothing generated. This is how
+        evaluation harnesses score a text (lm-eval's loglikelihood requests)."""
+        return self.echo and self.max_tokens == 0
+
     def to_sampling_params(self) -> SamplingParams:
         if self.suffix:
             raise ValueError("suffix is not supported.")
-        if self.echo and self.logprobs is not None:
-            # OpenAI and vLLM then also score the prompt's tokens; answering with the completion's alone would
-            # look like the same thing.
-            raise ValueError("logprobs together with echo asks for the prompt's logprobs too, which this server "
-                             "does not compute; drop echo or logprobs.")
+        if self.max_tokens == 0 and not self.echo:
+            raise ParamError("max_tokens", "max_tokens must be at least 1 (0 only with echo, to score the prompt).")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of must equal n (got best_of={self.best_of}, n={self.n}); "
                              "best-of-n selection is not supported.")
-        return self._sampling(self.max_tokens, self.logprobs)
+        # echo with logprobs scores the prompt's tokens too (OpenAI's and vLLM's meaning); with max_tokens 0 one
+        # token is generated and not returned, as vLLM does
+        return self._sampling(1 if self.echo_only else self.max_tokens, self.logprobs,
+                              prompt_logprobs=self.logprobs if self.echo else None)
 
 
 # ---------------------------------------------------------------- /v1/chat/completions
