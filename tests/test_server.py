@@ -274,6 +274,16 @@ def test_echo_with_logprobs_scores_the_prompt(client, offline):
     assert texts == prompt and chunks[-1].choices[0].finish_reason == "length"
     streamed = [v for ch in chunks if ch.choices and ch.choices[0].logprobs for v in ch.choices[0].logprobs.token_logprobs]
     assert streamed[0] is None and streamed[1:] == pytest.approx(want, abs=1e-5)
+    # lm-eval's local-completions loglikelihood request: token-id prompts, echo, logprobs 1, max_tokens 1; it reads
+    # the continuation's entries as token_logprobs[len(context):-1]
+    ids = ref.prompt_token_ids
+    r = httpx.post(f"{client.base_url}completions", json={"model": MODEL, "prompt": [ids, ids[:5]], "echo": True,
+                                                            "logprobs": 1, "max_tokens": 1, "temperature": 0,
+                                                            "seed": 1234}, timeout=60).json()
+    full, short = sorted(r["choices"], key=lambda c: c["index"])
+    assert len(full["logprobs"]["token_logprobs"]) == n + 1 and len(short["logprobs"]["token_logprobs"]) == 6
+    assert full["logprobs"]["token_logprobs"][3:-1] == pytest.approx(want[2:], abs=1e-5)
+    assert short["logprobs"]["token_logprobs"][1:5] == pytest.approx(want[:4], abs=1e-5)
 
 
 def test_stop_strings(client):
