@@ -147,6 +147,18 @@ def test_sampled_outputs_follow_the_constraint(spec, engines):
             assert o.outputs[0].finish_reason == "length"
 
 
+def test_seeded_constrained_text_is_the_same_with_and_without_speculation(engines):
+    """A seeded request's tokens are its position noise's argmax under the grammar's mask, whatever the drafts
+    (the drafter guesses with the same noise, and forbidden guesses are cut as for greedy requests)."""
+    kinds = list(CONSTRAINTS)
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=40, structured_outputs=CONSTRAINTS[k])
+              for s in range(3) for k in kinds]
+    texts = {spec: [o.outputs[0].token_ids for o in engines(spec).generate(
+        prompt_token_ids=[PROMPT] * len(params), sampling_params=params, use_tqdm=False)] for spec in SPEC}
+    assert texts["ngram"] == texts["none"] and texts["draft_model"] == texts["none"]
+    assert len({tuple(t) for t in texts["none"]}) > len(kinds)  # the seeds give different texts
+
+
 def test_unsatisfiable_within_max_tokens_ends_with_length(engines):
     llm = engines("ngram")
     out = llm.generate(prompt_token_ids=[PROMPT], use_tqdm=False, sampling_params=SamplingParams(

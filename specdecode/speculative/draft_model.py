@@ -10,7 +10,8 @@ from specdecode.engine.model_runner import ModelRunner
 from specdecode.layers.sampler import argmax, logits_to_probs, sample
 from specdecode.speculative.adaptive import AdaptiveK
 from specdecode.speculative.draft_vocab import TruncatedHead
-from specdecode.speculative.proposer import Proposal, Proposer, context_of, one_hot_rows, widened
+from specdecode.speculative.proposer import (Proposal, Proposer, context_of, one_hot_rows, reads_draft_probs,
+                                             widened)
 
 
 # More unseen tokens than this (a prompt after a prefix-cache hit) are fed as a prefill, not as decode rows.
@@ -150,7 +151,7 @@ class DraftModelProposer(Proposer):
         if probs is not None:  # some sampled request used the draft model: give looked-up drafts one-hot rows
             probs = widened(probs, max(len(t) for t in lookups + prop.tokens))
             for i, found in enumerate(lookups):
-                if found and not requests[i].params.greedy:
+                if found and reads_draft_probs(requests[i]):
                     probs = one_hot_rows(probs, i, 0, found)
         return Proposal([found or drafted for found, drafted in zip(lookups, prop.tokens)], probs)
 
@@ -171,7 +172,7 @@ class DraftModelProposer(Proposer):
         active = [i for i, k in enumerate(ks) if k > 0]
         tokens: list[list[int]] = [[] for _ in requests]
         self.runner.model.lm_head = self.head  # proposers that share this draft model may use other heads
-        need_probs = any(not requests[i].params.greedy for i in active)
+        need_probs = any(reads_draft_probs(requests[i]) for i in active)
         if not active:
             return Proposal(tokens, None)
         kmax = max(ks)
@@ -198,12 +199,13 @@ class DraftModelProposer(Proposer):
                     noise = getattr(r, "noise", None)
                     tok = (sample(p, None) if noise is None
                            else noise.choose(p, r.num_output_tokens + len(r.draft_prefix) + len(tokens[i])))
-                    probs[i, step] = p
+                    if probs is not None and reads_draft_probs(r):
+                        probs[i, step] = p
                 tokens[i].append(tok)
                 copied = extend(i, tokens[i]) if extend is not None else []
                 if copied:
                     tokens[i] += copied
-                    if probs is not None and not r.params.greedy:
+                    if probs is not None and reads_draft_probs(r):
                         probs = one_hot_rows(probs, i, len(tokens[i]) - len(copied), copied)
                 if copied or len(tokens[i]) >= ks[i]:
                     active.remove(i)

@@ -22,6 +22,12 @@ def context_of(request) -> list[int]:
     return request.all_token_ids + prefix if prefix else request.all_token_ids
 
 
+def reads_draft_probs(request) -> bool:
+    """Whether verification reads the request's draft probabilities: an unseeded sampled request's rejection
+    test does; greedy and seeded requests are verified by the argmax of their rows (``Request.argmax_rows``)."""
+    return not getattr(request, "argmax_rows", request.params.greedy)
+
+
 @dataclass
 class Proposal:
     tokens: list[list[int]]              # per request, 0..budget draft tokens

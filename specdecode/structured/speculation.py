@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from specdecode.layers.sampler import argmax
-from specdecode.speculative.proposer import Proposal, one_hot_rows, widened
+from specdecode.speculative.proposer import Proposal, one_hot_rows, reads_draft_probs, widened
 
 
 def matcher_of(request):
@@ -53,10 +53,12 @@ def constrain_proposal(requests: list, prop: Proposal, forced: list[list[int]], 
     - The proposer's drafts end at the first token the grammar forbids. A drafted token the grammar forbids
       has target probability 0 after masking, so it would be rejected with certainty. Dropping it is exact
       when it was proposed with certainty (one-hot drafts: the residual after it is the masked target itself)
-      and for greedy requests; a sampled draft-model token stays as the last draft instead, so that the
-      rejection sampler resamples from the residual exactly as it would without the grammar.
-    - A draft that was not cut is extended with the tokens the grammar forces after it (greedy requests: after
-      a cut too); the extension is a function of the tokens before it, one-hot in the draft probabilities.
+      and for requests verified by argmax (greedy and seeded); an unseeded sampled draft-model token stays as the
+      last draft instead, so that the rejection sampler resamples from the residual exactly as it would without
+      the grammar.
+    - A draft that was not cut is extended with the tokens the grammar forces after it (argmax-verified
+      requests: after a cut too); the extension is a function of the tokens before it, one-hot in the draft
+      probabilities.
     - Where the proposer drafted nothing, ``text_lookup`` (a ``TextLookup``) may: one-hot drafts of the prompt
       phrase the output is copying, and of the token that closes the quoted value after it, a function of
       the committed state and the forced tokens. Such a request is marked ``text_drafted``: its proposer
@@ -76,14 +78,14 @@ def constrain_proposal(requests: list, prop: Proposal, forced: list[list[int]], 
                 d = _copied_text(m, r, fixed, budget - len(fixed), text_lookup)
             r.text_drafted = bool(d) and not tokens[i]
             keep = m.valid_prefix(d)
-            certain = (r.params.greedy or probs is None or keep == len(d) or r.text_drafted
+            certain = (not reads_draft_probs(r) or probs is None or keep == len(d) or r.text_drafted
                        or float(probs[i, keep, d[keep]]) >= 1.0)
             if keep < len(d) and not certain:
                 own, one_hot_from = d[:keep + 1], keep + 1
             else:
                 # the proposer's drafts keep their probabilities; copied text is one-hot from its first token
                 own, one_hot_from = d[:keep], 0 if r.text_drafted else keep
-                if keep == len(d) or r.params.greedy:
+                if keep == len(d) or not reads_draft_probs(r):
                     m.advance(own)
                     try:
                         own = own + m.forced(budget - len(fixed) - len(own))
@@ -100,7 +102,7 @@ def constrain_proposal(requests: list, prop: Proposal, forced: list[list[int]], 
         if proposer is not None and same < len(d) and not r.text_drafted:
             # The drafter cached tokens that are no longer drafted: it forgets them past the shared prefix.
             proposer.rollback(r, len(r.all_token_ids) + len(fixed) + same)
-        if probs is not None and not r.params.greedy:
+        if probs is not None and reads_draft_probs(r):
             if fixed:
                 probs = _after_prefix(probs, i, fixed)
             if len(own) > one_hot_from:
