@@ -1,9 +1,9 @@
 """specdecode: small, exact speculative decoding (draft-model and n-gram proposers)."""
 from specdecode.config import EngineConfig, SpeculativeConfig
 from specdecode.llm import LLM, Engine
-from specdecode.outputs import CompletionOutput, RequestOutput
+from specdecode.outputs import CompletionOutput, Logprob, RequestOutput
 from specdecode.sampling_params import SamplingParams
 
 __all__ = ["LLM", "Engine", "SamplingParams", "SpeculativeConfig", "EngineConfig", "RequestOutput",
-           "CompletionOutput"]
+           "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"
