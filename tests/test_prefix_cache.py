@@ -148,7 +148,7 @@ def test_prompts_arriving_together_prefill_in_one_pass_and_compute_their_common_
                    for _, start, toks in seqs)
 
     prefill_many, forward_rows = target.prefill_many, target.forward_rows
-    target.prefill_many = lambda seqs: passes.append(("prefill", chunks_in(seqs))) or prefill_many(seqs)
+    target.prefill_many = lambda seqs, *a: passes.append(("prefill", chunks_in(seqs))) or prefill_many(seqs, *a)
     target.forward_rows = lambda seqs, **kw: passes.append(("rows", chunks_in(seqs))) or forward_rows(seqs, **kw)
     assert _run(llm, prompts, logprobs=3) == ref
     # the three prompts that waited for the shared head share a pass; where prompt rows take the decode rows'

@@ -159,6 +159,11 @@ class AsyncLLMEngine:
         return self.engine.tokenizer
 
     @property
+    def token_text(self):
+        """The engine's cached decode of one token (``LLMEngine.token_text``)."""
+        return self.engine.token_text
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 

@@ -436,8 +436,8 @@ class LLMEngine:
         starts = {r: r.num_computed for r in reqs}
         seqs = [(r.slot, starts[r], r.all_token_ids[starts[r]:starts[r] + chunks[r]]) for r in reqs]
         every_row = [r.needs_prompt_logprobs for r in reqs]
-        logits = self.target.prefill_many(seqs, every_row) if any(every_row) else self.target.prefill_many(seqs)
-        self._prefilled(reqs, chunks, starts, {r: lg if lg.dim() == 2 else lg[None] for r, lg in zip(reqs, logits)})
+        logits = self.target.prefill_many(seqs, every_row)
+        self._prefilled(reqs, chunks, starts, {r: lg if e else lg[None] for r, lg, e in zip(reqs, logits, every_row)})
 
     def _prefilled(self, reqs: list[Request], chunks: dict[Request, int], starts: dict[Request, int],
                    logits: dict[Request, torch.Tensor]) -> None:

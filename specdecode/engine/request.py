@@ -5,7 +5,7 @@ import enum
 import time
 
 from specdecode.layers.sampler import PositionNoise
-from specdecode.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from specdecode.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
 from specdecode.sampling_params import SamplingParams
 from specdecode.speculative.adaptive import Acceptance
 from specdecode.tokenizer import IncrementalDetokenizer
@@ -52,10 +52,11 @@ class Request:
         self.text = ""        # the output text, truncated at a stop string
         self.sent_text = 0    # chars of text already streamed
         self.sent_tokens = 0
-        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.logprobs: SampleLogprobs | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         # SamplingParams.prompt_logprobs (the first of n samples computes them; the first token has none)
-        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None and index == 0 else None
+        self.prompt_logprobs: PromptLogprobs | None = (
+            [None] if params.prompt_logprobs is not None and index == 0 else None)
         self.metrics = RequestMetrics(arrival_time=time.time())
         # adaptive k: this request's acceptance of draft-model drafts and of drafts looked up in its context
         self.acceptance = Acceptance()

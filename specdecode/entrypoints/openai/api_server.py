@@ -266,7 +266,7 @@ class OpenAIServer:
         self.model_path = model_path
         self.tokenizer = engine.tokenizer
         self.accepted_models = set(served_model_names) | ({model_path} if model_path else set())
-        self.token_str = functools.lru_cache(maxsize=65536)(self._token_str)
+        self.token_str = engine.token_text  # one token's text, cached by the engine (Logprob.decoded_token)
         # How tool calls are read from output and enforced (vLLM's --tool-call-parser), by registered name.
         self.tool_call_parser = resolve_tool_parser(tool_call_parser).name
 
@@ -276,9 +276,6 @@ class OpenAIServer:
             return self.names[0]
         raise APIError(404, f"The model `{name}` does not exist. This server serves {self.names}.",
                        param="model", code="model_not_found")
-
-    def _token_str(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def check_vocab(self, params: SamplingParams) -> None:
         """logit_bias and stop_token_ids name token ids of this model's vocabulary; otherwise a 400 naming the
