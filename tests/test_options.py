@@ -262,7 +262,8 @@ def test_default_llm_end_to_end():
     prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "Write a haiku about rain."}],
                                                      tokenize=False, add_generation_prompt=True)
     fast = llm.generate([prompt], params, use_tqdm=False)[0]
-    llm.engine.set_speculative(None)
+    llm.engine.set_speculative({"method": "none"})  # vLLM's off switch, as in LLM(speculative_config=...)
+    assert llm.engine.proposer is None and llm.engine.config.speculative is None
     plain = llm.generate([prompt], params, use_tqdm=False)[0]
     assert plain.metrics.spec_decode.num_drafts == 0
     assert list(plain.outputs[0].token_ids) == list(fast.outputs[0].token_ids)

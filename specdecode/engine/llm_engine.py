@@ -119,7 +119,9 @@ class LLMEngine:
         if self.scheduler.has_unfinished():
             raise RuntimeError("set_speculative() needs an idle engine: running requests hold proposer state.")
         if isinstance(spec, dict):
-            spec = SpeculativeConfig.from_dict(spec)
+            # {"method": "none"} is the off switch here as in LLM(speculative_config=...)
+            off = str(spec.get("method", "")).strip().lower() == "none"
+            spec = None if off else SpeculativeConfig.from_dict(spec)
         key = repr(spec)
         if key not in self._proposers:
             proposer = build_proposer(spec, self.draft_runner, self.target.vocab_size, self.tokenizer,
