@@ -15,6 +15,7 @@ from specdecode.engine.model_runner import ModelRunner
 from specdecode.engine.request import Request, Status
 from specdecode.engine.scheduler import QueueFullError, Scheduler
 from specdecode.layers.sampler import logits_to_probs, logprobs_of, request_logits
+from specdecode.models import huge_pages
 from specdecode.models.loader import check_context, load_model
 from specdecode.outputs import RequestOutput
 from specdecode.sampling_params import SamplingParams, check_text
@@ -93,6 +94,12 @@ class LLMEngine:
         self._counter = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self._timing = False  # calibrate_costs is timing passes
+        huge_pages.start(self._quiet)  # weights onto huge pages while no engine here runs or times anything
+
+    def _quiet(self) -> bool:
+        """No request to run and no pass being timed: background work (huge_pages) may use the machine."""
+        return not self._timing and not self.scheduler.has_unfinished()
 
     def _block_pool(self, models: list) -> BlockPool:
         """The KV blocks: kv_cache_memory GiB of them (target and draft together), or by default enough for
@@ -160,9 +167,11 @@ class LLMEngine:
                     "kv_cache_dtype": getattr(c, "kv_cache_dtype", None), "threads": torch.get_num_threads(),
                     "kernel": (kernels.describe(), kernels.source_digest()) if self.target.device.type == "cpu"
                     else torch.__version__}
+        self._timing = True
         try:
             return self.proposer.calibrate(self.target, self.max_model_len, identity, refresh)
         finally:
+            self._timing = False
             self.pool.free(0)  # the scratch blocks
 
     @functools.cached_property

@@ -3,7 +3,8 @@
 Converting a GGUF or safetensors checkpoint to w8a8 / w4a8 / int8 (or fp32 / bf16) costs a dequantize and
 requantize pass over every weight. It is done once: the packed tensors are written to one file per (source,
 format) under ``<cache dir>/packed/`` (the cache dir honours ``$SPECDECODE_CACHE``), and later loads
-memory-map that file, so weight pages are shared with the page cache and read only where touched.
+memory-map that file, so weight pages are shared with the page cache and read only where touched. Once the
+engine is built, the tensors read whole at load move onto huge pages in the background (``huge_pages``).
 
 An entry is a preamble (magic, header length, sha256 of the header), a JSON header (key, model metadata, and per
 tensor: dtype, shape, offset, size, checksum) and the tensor data, each tensor 64-byte aligned. The checksum is
@@ -36,6 +37,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import torch
+
+from specdecode.models import huge_pages
 
 logger = logging.getLogger("specdecode")
 
@@ -337,6 +340,8 @@ def read_entry(path: Path, key: dict) -> Entry:
             hi = data_start + max(r["offset"] + r["nbytes"] for r in eager)
             lo -= lo % mmap.PAGESIZE
             mm.madvise(mmap.MADV_WILLNEED, lo, hi - lo)
+            if hi <= size:
+                huge_pages.register(mm, lo, hi)  # moved once the engine is built (huge_pages.start)
         for r in records:
             try:
                 dtype = getattr(torch, r["dtype"])

@@ -1,0 +1,190 @@
+"""Moving memory-mapped weights onto transparent huge pages, in the background, at the same addresses.
+
+The packed weights are mapped from the cache file in 4 KiB pages, and the CPU kernels stream every weight at
+every decoding step. With 4 KiB pages each new page costs a TLB walk and restarts the hardware prefetcher, which
+leaves the weight stream short of the memory bandwidth (docs/benchmarks.md, session 21). Reading the weights into
+huge pages at load would make every start wait for the copy and the kernel's huge-page allocation.
+
+So the start keeps the file mapping, and ``start()`` (called once the engine is built) moves each registered
+range in the background, piece by piece, while the engine is quiet (no request, no timing): a piece is copied
+into fresh anonymous memory advised for huge pages, and ``mremap`` then puts that memory at the piece's own
+address, replacing the file pages in one step. The
+bytes and the addresses the kernels hold stay the same, so no result can change; a reader that touches the
+piece meanwhile waits on the page-table lock and then reads the same bytes from the new pages.
+
+Linux only, and only where transparent huge pages are not set to "never"; ``$SPECDECODE_NO_HUGE_PAGES=1``
+switches it off. Anything unexpected (no ``mremap``, an allocation that fails) leaves the rest mapped as it was.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import mmap
+import os
+import sys
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Callable
+
+logger = logging.getLogger("specdecode")
+
+HUGE_PAGE = 2 << 20
+PIECE = 8 * HUGE_PAGE  # bytes moved per mremap: bounds the extra memory, and how long a request that
+# arrives mid-piece waits for it
+_ENV = "SPECDECODE_NO_HUGE_PAGES"
+_MADV_HUGEPAGE = 14
+_MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
+_PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
+
+_lock = threading.Lock()
+# Weak: a mapping registered by a load that no engine starts (a test, a tool) must not stay alive for it.
+_pending: list[tuple[weakref.ref, int, int]] = []
+_moved = 0  # bytes moved so far in this process
+
+
+def usable() -> bool:
+    """Linux with transparent huge pages not set to "never", unless ``$SPECDECODE_NO_HUGE_PAGES`` is set."""
+    if os.environ.get(_ENV, "").strip().lower() not in ("", "0", "false", "no", "off"):
+        return False
+    if not sys.platform.startswith("linux") or _libc() is None:
+        return False
+    try:
+        return "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+
+
+_libc_handle: ctypes.CDLL | None = None
+
+
+def _libc() -> ctypes.CDLL | None:
+    global _libc_handle
+    if _libc_handle is None:
+        try:
+            lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            lib.mmap.restype = ctypes.c_void_p
+            lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                 ctypes.c_long]
+            lib.mremap.restype = ctypes.c_void_p
+            lib.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+            lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+            lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            _libc_handle = lib
+        except (OSError, AttributeError):
+            return None
+    return _libc_handle
+
+
+def address_of(mapping: mmap.mmap) -> int:
+    """The address where ``mapping`` starts."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(mapping)) if len(mapping) else 0
+
+
+def register(mapping: mmap.mmap, lo: int, hi: int) -> None:
+    """Bytes [lo, hi) of ``mapping`` (read-only weights) are to move onto huge pages when ``start()`` runs."""
+    if hi - lo >= HUGE_PAGE and usable():
+        with _lock:
+            _pending.append((weakref.ref(mapping), lo, hi))
+
+
+def pieces(mapping: mmap.mmap, lo: int, hi: int) -> list[tuple[int, int]]:
+    """(address, size) of the pieces that cover the whole huge pages inside bytes [lo, hi) of ``mapping``; the
+    few KiB before the first and after the last 2 MiB boundary stay where they are."""
+    base = address_of(mapping)
+    first = -(-(base + lo) // HUGE_PAGE) * HUGE_PAGE
+    last = (base + hi) // HUGE_PAGE * HUGE_PAGE
+    return [(at, min(PIECE, last - at)) for at in range(first, last, PIECE)]
+
+
+def move_piece(at: int, size: int) -> bool:
+    """Copy [at, at + size) (2 MiB aligned) into anonymous memory advised for huge pages and mremap it over the
+    original, at the same address. False if the memory could not be had (the piece stays as it was)."""
+    global _moved
+    lib = _libc()
+    if lib is None:
+        return False
+    raw = lib.mmap(None, size + HUGE_PAGE, _PROT_RW, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    if raw is None or raw == ctypes.c_void_p(-1).value:
+        return False
+    aligned = -(-raw // HUGE_PAGE) * HUGE_PAGE
+    lib.madvise(aligned, size, _MADV_HUGEPAGE)
+    ctypes.memmove(aligned, at, size)
+    if lib.mremap(aligned, size, size, _MREMAP_MAYMOVE | _MREMAP_FIXED, at) != at:
+        lib.munmap(raw, size + HUGE_PAGE)
+        return False
+    if aligned > raw:  # the slack around the moved part (mremap unmapped the part itself)
+        lib.munmap(raw, aligned - raw)
+    if raw + HUGE_PAGE > aligned:
+        lib.munmap(aligned + size, raw + HUGE_PAGE - aligned)
+    with _lock:
+        _moved += size
+    return True
+
+
+def move(mapping: mmap.mmap, lo: int, hi: int) -> int:
+    """Move the whole huge pages inside bytes [lo, hi) of ``mapping`` now; returns the bytes moved."""
+    done = 0
+    for at, size in pieces(mapping, lo, hi):
+        if not move_piece(at, size):
+            break
+        done += size
+    return done
+
+
+def moved_bytes() -> int:
+    """Bytes moved onto huge pages so far in this process."""
+    return _moved
+
+
+_quiet_checks: list[Callable[[], Callable[[], bool] | None]] = []  # each gives its check, or None once gone
+
+
+def _all_quiet() -> bool:
+    with _lock:
+        checks = [c() for c in _quiet_checks]
+        _quiet_checks[:] = [c for c, f in zip(list(_quiet_checks), checks) if f is not None]
+    return all(f() for f in checks if f is not None)
+
+
+def start(quiet: Callable[[], bool], settle: float = 0.5) -> threading.Thread | None:
+    """Move every registered range in a background thread, a piece at a time, each only after every quiet check
+    given here (``quiet``, and those of earlier calls while their owners live) has held for ``settle`` seconds:
+    a copy running beside a decoding step would slow it more than the pages gain (the step's threads wait on
+    each other, and the copy takes a core), and one beside a timed pass would skew its cost. A bound method
+    is held weakly. The thread holds each mapping until its range is done."""
+    ref = weakref.WeakMethod(quiet) if hasattr(quiet, "__self__") else (lambda: quiet)
+    with _lock:
+        _quiet_checks.append(ref)
+        work = [(m, lo, hi) for ref, lo, hi in _pending if (m := ref()) is not None]
+        _pending.clear()
+    if not work:
+        return None
+
+    since: list[float | None] = [None]  # when the current quiet stretch began (None: not quiet)
+
+    def wait_for_quiet() -> None:
+        while True:
+            if not _all_quiet():
+                since[0] = None
+            elif since[0] is None:
+                since[0] = time.monotonic()
+            elif time.monotonic() - since[0] >= settle:
+                return
+            time.sleep(0.05)
+
+    def run() -> None:
+        try:
+            for mapping, lo, hi in work:
+                for at, size in pieces(mapping, lo, hi):
+                    wait_for_quiet()
+                    if not move_piece(at, size):
+                        return
+        except Exception as e:  # the weights stay where they are; only their page size is at stake
+            logger.info("specdecode: weights stay in small pages (%s: %s)", type(e).__name__, e)
+
+    t = threading.Thread(target=run, name="specdecode-huge-pages", daemon=True)
+    t.start()
+    return t

@@ -1,0 +1,115 @@
+"""Weights moved onto huge pages keep their bytes and their addresses, and the move waits for a quiet engine."""
+from __future__ import annotations
+
+import gc
+import time
+
+import torch
+
+from specdecode.models import huge_pages
+from specdecode.models import packed_cache as pc
+
+MB = 1 << 20
+
+
+def _anonymous_kb(address: int) -> int:
+    """The 'Anonymous:' kB of the mapping of this process that holds ``address``."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("Anonymous:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _entry(tmp_path, monkeypatch, mb: int = 12) -> tuple[pc.Entry, torch.Tensor]:
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("SPECDECODE_PACKED_CACHE", raising=False)
+    monkeypatch.delenv("SPECDECODE_NO_HUGE_PAGES", raising=False)
+    src = tmp_path / "model.gguf"
+    src.write_bytes(b"x")
+    w = torch.randn(mb * MB // 4, generator=torch.Generator().manual_seed(0))
+    key = {"format": "fp32", "source": [[str(src), 1, 0]]}
+    final = pc.cache_root() / "model.fp32.0000.spk"
+    pc.write_entry(final, key, {}, {"w": w, "small": torch.arange(10.0)})
+    huge_pages._pending.clear()
+    return pc.read_entry(final, key), w
+
+
+def test_a_moved_range_keeps_its_bytes_and_addresses(tmp_path, monkeypatch):
+    entry, w = _entry(tmp_path, monkeypatch)
+    t = entry.tensors["w"]
+    address = t.data_ptr()
+    assert huge_pages.usable(), "this test runs on Linux with transparent huge pages available"
+    assert len(huge_pages._pending) == 1  # read_entry registered the entry's eager range
+    ref, lo, hi = huge_pages._pending.pop()
+    mapping = ref()
+    assert _anonymous_kb(address + 4 * MB) == 0  # file pages before the move
+    before = huge_pages.moved_bytes()
+    moved = huge_pages.move(mapping, lo, hi)
+    assert moved >= 8 * MB and huge_pages.moved_bytes() - before == moved
+    assert t.data_ptr() == address
+    assert torch.equal(t, w)  # the same view, the same bytes, now from anonymous memory
+    assert _anonymous_kb(address + 4 * MB) >= moved // 1024
+    assert torch.equal(entry.tensors["small"], torch.arange(10.0))
+
+
+def test_the_move_waits_until_the_engine_is_quiet(tmp_path, monkeypatch):
+    entry, w = _entry(tmp_path, monkeypatch)
+    huge_pages._quiet_checks.clear()  # engines of earlier tests
+    quiet = {"now": False}
+    before = huge_pages.moved_bytes()
+    thread = huge_pages.start(lambda: quiet["now"], settle=0.2)
+    assert thread is not None and not huge_pages._pending
+    time.sleep(0.6)
+    assert huge_pages.moved_bytes() == before  # busy: nothing moved
+    quiet["now"] = True
+    thread.join(30)
+    assert not thread.is_alive() and huge_pages.moved_bytes() - before >= 8 * MB
+    assert torch.equal(entry.tensors["w"], w)
+    huge_pages._quiet_checks.clear()
+
+
+class _Engine:
+    def __init__(self):
+        self.busy = True
+
+    def quiet(self) -> bool:
+        return not self.busy
+
+
+def test_a_busy_engine_holds_every_move_and_a_gone_one_does_not(tmp_path, monkeypatch):
+    huge_pages._quiet_checks.clear()
+    busy = _Engine()
+    huge_pages.start(busy.quiet)  # nothing pending: it only adds its check
+    entry, w = _entry(tmp_path, monkeypatch)
+    before = huge_pages.moved_bytes()
+    thread = huge_pages.start(lambda: True, settle=0.1)
+    time.sleep(0.5)
+    assert huge_pages.moved_bytes() == before  # the other engine is busy
+    del busy
+    gc.collect()
+    thread.join(30)
+    assert not thread.is_alive() and huge_pages.moved_bytes() - before >= 8 * MB
+    assert torch.equal(entry.tensors["w"], w)
+    huge_pages._quiet_checks.clear()
+
+
+def test_the_switch_keeps_weights_in_the_file_mapping(tmp_path, monkeypatch):
+    entry, _ = _entry(tmp_path, monkeypatch)
+    monkeypatch.setenv("SPECDECODE_NO_HUGE_PAGES", "1")
+    assert not huge_pages.usable()
+    huge_pages._pending.clear()
+    pc.read_entry(entry.path, {"format": "fp32", "source": [[str(tmp_path / "model.gguf"), 1, 0]]})
+    assert not huge_pages._pending and huge_pages.start(lambda: True) is None
+
+
+def test_a_mapping_nobody_uses_is_not_kept_for_the_move(tmp_path, monkeypatch):
+    entry, _ = _entry(tmp_path, monkeypatch)
+    assert len(huge_pages._pending) == 1
+    del entry
+    gc.collect()
+    assert huge_pages.start(lambda: True) is None  # the registered mapping is gone: nothing to move
