@@ -197,6 +197,14 @@ class SpeculativeConfig:
         return cls(**fields_)
 
 
+def speculation_off(config: dict[str, Any]) -> bool:
+    """Whether a ``speculative_config`` dict is the off switch: method "none", or a draft named none/off (as
+    resolve_speculative reads it for LLM(); LLMEngine.set_speculative takes the same switch)."""
+    fields_ = speculative_fields(config)
+    model = fields_.get("model")
+    return fields_.get("method") == "none" or (isinstance(model, str) and model.strip().lower() in NO_DRAFT)
+
+
 def resolve_speculative(given: dict[str, Any], default_target: bool, from_dict: bool = False,
                         preset: presets.Preset = presets.DEFAULT) -> SpeculativeConfig | None:
     """The speculative config for the fields a user gave (None: no speculation).

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from specdecode import presets
-from specdecode.config import EngineConfig
+from specdecode.config import EngineConfig, speculation_off
 from specdecode.entrypoints.cli import build_parser, main
 from specdecode.options import OPTIONS, kwargs_from_args, markdown_table
 
@@ -191,6 +191,9 @@ def test_spec_type_none_is_plain_decoding_everywhere(command, tiny_models):
                    "--spec-type", "none").speculative is None
     assert EngineConfig.from_kwargs(speculative_config={"method": "none"}).speculative is None
     assert EngineConfig.from_kwargs(speculative_model="none").speculative is None
+    # the engine's own switch reads a speculative_config dict as LLM() does
+    assert all(speculation_off(d) for d in ({"method": "none"}, {"method": "NONE"}, {"model": "off"}))
+    assert not any(speculation_off(d) for d in ({"method": "ngram"}, {"model": "[ngram]"}, {}))
 
 
 def test_spec_type_none_decodes_plainly(tiny_models, capsys):

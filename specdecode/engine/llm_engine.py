@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from specdecode.config import EngineConfig, SpeculativeConfig, check_draft_compatible
+from specdecode.config import EngineConfig, SpeculativeConfig, check_draft_compatible, speculation_off
 from specdecode.engine.block_pool import BLOCK_SIZE, BlockPool
 from specdecode.engine.kv_cache import KVCache
 from specdecode.engine.model_runner import ModelRunner
@@ -89,12 +89,12 @@ class LLMEngine:
         self.spec_stats = SpecDecodeStats()
         self._proposers: dict[str, Proposer | None] = {}  # by config: switching back resumes what it learned
         self._shared: dict = {}  # what proposers over the one draft model share (truncated heads)
+        self._timing = False  # calibrate_costs is timing passes
         self.set_speculative(spec)
         self._parents: dict[str, list[Request]] = {}
         self._counter = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        self._timing = False  # calibrate_costs is timing passes
         huge_pages.start(self._quiet)  # weights onto huge pages while no engine here runs or times anything
 
     def _quiet(self) -> bool:
@@ -126,9 +126,7 @@ class LLMEngine:
         if self.scheduler.has_unfinished():
             raise RuntimeError("set_speculative() needs an idle engine: running requests hold proposer state.")
         if isinstance(spec, dict):
-            # {"method": "none"} is the off switch here as in LLM(speculative_config=...)
-            off = str(spec.get("method", "")).strip().lower() == "none"
-            spec = None if off else SpeculativeConfig.from_dict(spec)
+            spec = None if speculation_off(spec) else SpeculativeConfig.from_dict(spec)
         key = repr(spec)
         if key not in self._proposers:
             proposer = build_proposer(spec, self.draft_runner, self.target.vocab_size, self.tokenizer,
