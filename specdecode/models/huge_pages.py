@@ -8,9 +8,9 @@ huge pages at load would make every start wait for the copy and the kernel's hug
 So the start keeps the file mapping, and ``start()`` (called once the engine is built) moves each registered
 range in the background, piece by piece, while the engine is quiet (no request, no timing): a piece is copied
 into fresh anonymous memory advised for huge pages, and ``mremap`` then puts that memory at the piece's own
-address, replacing the file pages in one step. The
-bytes and the addresses the kernels hold stay the same, so no result can change; a reader that touches the
-piece meanwhile waits on the page-table lock and then reads the same bytes from the new pages.
+address, replacing the file pages in one step. The bytes and the addresses the kernels hold stay the same, so no
+result can change; a reader that touches the piece meanwhile waits on the page-table lock and then reads the
+same bytes from the new pages.
 
 Linux only, and only where transparent huge pages are not set to "never"; ``$SPECDECODE_NO_HUGE_PAGES=1``
 switches it off. Anything unexpected (no ``mremap``, an allocation that fails) leaves the rest mapped as it was.
@@ -145,7 +145,7 @@ _quiet_checks: list[Callable[[], Callable[[], bool] | None]] = []  # each gives 
 def _all_quiet() -> bool:
     with _lock:
         checks = [c() for c in _quiet_checks]
-        _quiet_checks[:] = [c for c, f in zip(list(_quiet_checks), checks) if f is not None]
+        _quiet_checks[:] = [c for c, f in zip(_quiet_checks, checks) if f is not None]
     return all(f() for f in checks if f is not None)
 
 
@@ -163,23 +163,16 @@ def start(quiet: Callable[[], bool], settle: float = 0.5) -> threading.Thread | 
     if not work:
         return None
 
-    since: list[float | None] = [None]  # when the current quiet stretch began (None: not quiet)
-
-    def wait_for_quiet() -> None:
-        while True:
-            if not _all_quiet():
-                since[0] = None
-            elif since[0] is None:
-                since[0] = time.monotonic()
-            elif time.monotonic() - since[0] >= settle:
-                return
-            time.sleep(0.05)
-
     def run() -> None:
+        since = None  # when the current quiet stretch began (None: not quiet now)
         try:
             for mapping, lo, hi in work:
                 for at, size in pieces(mapping, lo, hi):
-                    wait_for_quiet()
+                    while True:
+                        since = (since or time.monotonic()) if _all_quiet() else None
+                        if since is not None and time.monotonic() - since >= settle:
+                            break
+                        time.sleep(0.05)
                     if not move_piece(at, size):
                         return
         except Exception as e:  # the weights stay where they are; only their page size is at stake
