@@ -65,6 +65,12 @@ constexpr int64_t kOneGroupRows = 16;
 constexpr bool kPrefetch = SPECDECODE_PREFETCH;  // software prefetch of the next weight tile
 
 static inline void prefetch(const char* p) { __builtin_prefetch(p, 0, SPECDECODE_PF_LOCALITY); }
+// The AVX-512 VNNI kernels prefetch further ahead into L2 only: requests to L1 are limited by its few miss
+// buffers, so a far L1 prefetch stalls the loads it should hide, while L2 holds many more requests in flight
+// and L1's own prefetcher pulls each line the last short step (see docs/benchmarks.md, session 22).
+static inline void prefetch_l2(const char* p) { __builtin_prefetch(p, 0, 2); }
+constexpr int64_t kW8PrefetchL2Blocks = 8;   // 512-byte blocks of one group's int8 weights
+constexpr int64_t kW4PrefetchL2Blocks = 32;  // 256-byte blocks of one group's 4-bit weights
 
 #if defined(__GNUC__)
 #define SPECDECODE_ALWAYS_INLINE __attribute__((always_inline))
@@ -569,6 +575,12 @@ static inline void w8a8_tile(const W8Args& a, int64_t m0, int64_t g0) {
 #pragma GCC unroll 8
   for (int c = 0; c < C; ++c) wg[c] = a.group(g0 + c);
   for (int64_t b = 0; b < a.nblocks; ++b) {
+    if (kPrefetch) {
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c)
+#pragma GCC unroll 8
+        for (int l = 0; l < 8; ++l) prefetch_l2(reinterpret_cast<const char*>(wg[c] + (b + kW8PrefetchL2Blocks) * 512 + 64 * l));
+    }
     __m512i t[R][C];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
@@ -1047,8 +1059,8 @@ static inline void w4a8_tile(const W4Args& a, int64_t m0, int64_t g0) {
 #pragma GCC unroll 8
       for (int c = 0; c < C; ++c) {
         const char* wg = reinterpret_cast<const char*>(a.group(g0 + c));
-        for (int l = 0; l < 4; ++l) prefetch(wg + (b + kW4PrefetchBlocks) * 256 + 64 * l);
-        if ((b & 1) == 0) prefetch(reinterpret_cast<const char*>(a.scales(g0 + c) + (b + kW4PrefetchBlocks) * kGroup));
+        for (int l = 0; l < 4; ++l) prefetch_l2(wg + (b + kW4PrefetchL2Blocks) * 256 + 64 * l);
+        if ((b & 1) == 0) prefetch_l2(reinterpret_cast<const char*>(a.scales(g0 + c) + (b + kW4PrefetchL2Blocks) * kGroup));
       }
     }
     __m512i t[R][C];
@@ -1093,12 +1105,13 @@ constexpr int w4a8_width(int R) { return R <= 2 ? 4 : 2; }
 
 // R rows x one group of 16 channels, for decode and verification rows. A tile of several groups reads
 // several weight and scale streams at once; a 0.5B draft's short rows (K = 896: 7 KB per group) then spend
-// more time starting streams than reading them, and its M = 1 linears ran at ~14 GB/s per core against
-// ~24 GB/s for w8a8. One group at a time walks a thread's share as one weight stream and one scale stream
-// (a draft step went from 7.6 to 4.9-6.3 ms). Four independent integer sums per row keep the dot-product
-// chain from waiting on latency; integer sums are exact, so splitting them changes no result.
+// more time starting streams than reading them. One group at a time walks a thread's share as one weight
+// stream and one scale stream (docs/benchmarks.md has the draft step's gain). Independent integer sums per
+// row keep the dot-product chain from waiting on latency; integer sums are exact, so splitting them changes no result. With more rows
+// the rows' own chains are independent enough, and fewer sums leave fewer additions and no spilled registers.
 template <int R>
 static inline void w4a8_one(const W4Args& a, int64_t m0, int64_t g) {
+  constexpr int kSums = R == 1 ? 4 : R <= 3 ? 2 : 1;
   __m512 acc[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -1114,33 +1127,36 @@ static inline void w4a8_one(const W4Args& a, int64_t m0, int64_t g) {
   for (int r = 0; r < R; ++r) oacc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.nblocks; ++b) {
     if (kPrefetch) {
-      for (int l = 0; l < 4; ++l) prefetch(reinterpret_cast<const char*>(wg) + (b + kW4PrefetchBlocks) * 256 + 64 * l);
-      if ((b & 1) == 0) prefetch(reinterpret_cast<const char*>(sg + (b + kW4PrefetchBlocks) * kGroup));
-      if (og && (b & 1) == 0) prefetch(reinterpret_cast<const char*>(og + (b + kW4PrefetchBlocks) * kGroup));
+      for (int l = 0; l < 4; ++l) prefetch_l2(reinterpret_cast<const char*>(wg) + (b + kW4PrefetchL2Blocks) * 256 + 64 * l);
+      if ((b & 1) == 0) prefetch_l2(reinterpret_cast<const char*>(sg + (b + kW4PrefetchL2Blocks) * kGroup));
+      if (og && (b & 1) == 0) prefetch_l2(reinterpret_cast<const char*>(og + (b + kW4PrefetchL2Blocks) * kGroup));
     }
     if (og) w4a8_offsets_block<R>(a, m0, og, b, oacc);
-    __m512i t[R][4];
+    __m512i t[R][kSums];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       t[r][0] = _mm512_set1_epi32(a.x.ncorr[(m0 + r) * a.x.ldb + b] / 16);
-      t[r][1] = t[r][2] = t[r][3] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int i = 1; i < kSums; ++i) t[r][i] = _mm512_setzero_si512();
     }
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       const __m512i v = _mm512_loadu_si512(wg + (b * 4 + j) * 64);
       const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      const int s = 2 * (j & 1);
+      const int s0 = (2 * j) % kSums, s1 = (2 * j + 1) % kSums;
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int8_t* q = a.x.q + (m0 + r) * a.x.ldq + b * kQBlock + 8 * j;
-        t[r][s] = _mm512_dpbusd_epi32(t[r][s], lo, _mm512_set1_epi32(load4(q)));
-        t[r][s + 1] = _mm512_dpbusd_epi32(t[r][s + 1], hi, _mm512_set1_epi32(load4(q + 4)));
+        t[r][s0] = _mm512_dpbusd_epi32(t[r][s0], lo, _mm512_set1_epi32(load4(q)));
+        t[r][s1] = _mm512_dpbusd_epi32(t[r][s1], hi, _mm512_set1_epi32(load4(q + 4)));
       }
     }
     const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sg + b * kGroup)));
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m512i tt = _mm512_add_epi32(_mm512_add_epi32(t[r][0], t[r][1]), _mm512_add_epi32(t[r][2], t[r][3]));
+      __m512i tt = t[r][0];
+#pragma GCC unroll 4
+      for (int i = 1; i < kSums; ++i) tt = _mm512_add_epi32(tt, t[r][i]);
       const __m512 d = _mm512_set1_ps(a.x.d[(m0 + r) * a.x.ldb + b]);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tt), _mm512_mul_ps(d, sc), acc[r]);
     }
