@@ -197,12 +197,23 @@ class SpeculativeConfig:
         return cls(**fields_)
 
 
+def _method_named(method: str | None, model: Any) -> tuple[str | None, bool]:
+    """(the method, whether the draft's name gave it): a draft named none/off stands for method "none" and
+    '[ngram]' for "ngram"; such a name and a different method disagree (ValueError). Otherwise ``method``."""
+    name = model.strip().lower() if isinstance(model, str) else None
+    named = "none" if name in NO_DRAFT else "ngram" if name in NGRAM_MODELS else None
+    if named is None:
+        return method, False
+    if method is not None and method != named:
+        raise ValueError(f"speculative model {model!r} and method {method!r} disagree; pass one of them.")
+    return named, True
+
+
 def speculation_off(config: dict[str, Any]) -> bool:
-    """Whether a ``speculative_config`` dict is the off switch: method "none", or a draft named none/off (as
-    resolve_speculative reads it for LLM(); LLMEngine.set_speculative takes the same switch)."""
+    """Whether a ``speculative_config`` dict is the off switch: method "none", or a draft named none/off, read
+    as resolve_speculative reads it for LLM() (LLMEngine.set_speculative takes the same switch)."""
     fields_ = speculative_fields(config)
-    model = fields_.get("model")
-    return fields_.get("method") == "none" or (isinstance(model, str) and model.strip().lower() in NO_DRAFT)
+    return _method_named(fields_.get("method"), fields_.get("model"))[0] == "none"
 
 
 def resolve_speculative(given: dict[str, Any], default_target: bool, from_dict: bool = False,
@@ -215,13 +226,8 @@ def resolve_speculative(given: dict[str, Any], default_target: bool, from_dict: 
     (num_speculative_tokens) is left unset; giving k fixes it and asks for exactly the named method, as in vLLM.
     The draft's weight format and truncated head follow the preset unless given."""
     spec = dict(given)
-    method = spec.pop("method", None)
-    model = spec.get("model")
-    if isinstance(model, str) and model.strip().lower() in NO_DRAFT + NGRAM_MODELS:
-        named = "none" if model.strip().lower() in NO_DRAFT else "ngram"
-        if method is not None and method != named:
-            raise ValueError(f"speculative model {model!r} and method {method!r} disagree; pass one of them.")
-        method = named
+    method, named = _method_named(spec.pop("method", None), spec.get("model"))
+    if named:
         spec.pop("model")
     if method == "none":
         return None

@@ -194,6 +194,8 @@ def test_spec_type_none_is_plain_decoding_everywhere(command, tiny_models):
     # the engine's own switch reads a speculative_config dict as LLM() does
     assert all(speculation_off(d) for d in ({"method": "none"}, {"method": "NONE"}, {"model": "off"}))
     assert not any(speculation_off(d) for d in ({"method": "ngram"}, {"model": "[ngram]"}, {}))
+    with pytest.raises(ValueError, match="disagree"):  # as LLM(speculative_config=...) rejects it
+        speculation_off({"method": "ngram", "model": "none"})
 
 
 def test_spec_type_none_decodes_plainly(tiny_models, capsys):

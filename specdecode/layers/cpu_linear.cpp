@@ -1107,8 +1107,9 @@ constexpr int w4a8_width(int R) { return R <= 2 ? 4 : 2; }
 // several weight and scale streams at once; a 0.5B draft's short rows (K = 896: 7 KB per group) then spend
 // more time starting streams than reading them. One group at a time walks a thread's share as one weight
 // stream and one scale stream (docs/benchmarks.md has the draft step's gain). Independent integer sums per
-// row keep the dot-product chain from waiting on latency; integer sums are exact, so splitting them changes no result. With more rows
-// the rows' own chains are independent enough, and fewer sums leave fewer additions and no spilled registers.
+// row keep the dot-product chain from waiting on latency; integer sums are exact, so splitting them changes
+// no result. With more rows the rows' own chains are independent enough, and fewer sums leave fewer
+// additions and no spilled registers.
 template <int R>
 static inline void w4a8_one(const W4Args& a, int64_t m0, int64_t g) {
   constexpr int kSums = R == 1 ? 4 : R <= 3 ? 2 : 1;
