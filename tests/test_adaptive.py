@@ -702,25 +702,57 @@ def test_the_targets_confidence_judges_a_draft_model_that_has_not_drafted_yet():
                               pytest.approx((fresh.rate(0.8, True) + 0.95 + nxt) / 3))
 
 
-def test_the_engine_notes_the_targets_confidence_for_a_draft_model(one_thread, llm_cache, tiny_models, tiny_draft):
-    """With adaptive k and a draft model, each request keeps the target's top probability at its latest steps'
-    first positions, and the verifications teach the policy's confidence bands; greedy output is unchanged."""
+@contextlib.contextmanager
+def _draft_costs_scaled(costs: CostModel, factor: float):
+    """The draft model's calibrated step costs times ``factor`` for the block (restored after)."""
+    saved = {ctx: dict(rows) for ctx, rows in costs.draft_rows.items()}, dict(costs.draft)
+    for ctx, rows in costs.draft_rows.items():
+        for n in rows:
+            rows[n] *= factor
+    for ctx in costs.draft:
+        costs.draft[ctx] *= factor
+    costs._memo.clear()
+    try:
+        yield
+    finally:
+        costs.draft_rows, costs.draft = saved
+        costs._memo.clear()
+
+
+@pytest.mark.parametrize("draft_cost", [0.05, 50.0])
+def test_the_engine_notes_the_targets_confidence_for_a_draft_model(one_thread, llm_cache, tiny_models, tiny_draft,
+                                                                   draft_cost):
+    """With adaptive k and a draft model that can pay (its steps made cheap here), each request keeps the
+    target's top probability at its latest steps' first positions, and the verifications teach the policy's
+    confidence bands. Where the draft model cannot pay at the batch even at the best acceptance the policy could
+    expect (its steps made dear), the plan leaves it out and no confidence is computed. Greedy output is
+    unchanged either way."""
     plain = gen_ids(llm_cache.get(tiny_models["llama"]), PROMPTS[:2], max_tokens=16, **GREEDY)
     llm = llm_cache.get(tiny_models["llama"], speculative_model=tiny_draft, num_speculative_tokens=3,
                         speculative_adaptive=True)
-    seen = []
+    seen, hopeless = [], []
     eng = llm.engine
+    policy = eng.proposer.policy
     orig = eng.proposer.observe
 
     def observe(request, drafted, accepted, emitted):
         seen.append(list(request.confidence))
+        hopeless.append(policy.drafting_hopeless)
         return orig(request, drafted, accepted, emitted)
 
     eng.proposer.observe = observe
+    learned = sum(n for _, n in policy.confidence.counts.values())
     try:
-        assert gen_ids(llm, PROMPTS[:2], max_tokens=16, **GREEDY) == plain
+        with _draft_costs_scaled(policy.costs, draft_cost):
+            assert gen_ids(llm, PROMPTS[:2], max_tokens=16, **GREEDY) == plain
     finally:
         del eng.proposer.observe
-    assert seen and all(0 < len(c) <= 8 and all(0.0 <= x <= 1.0 for x in c) for c in seen)
+    assert seen
+    if draft_cost > 1:
+        assert all(hopeless) and all(not c for c in seen)
+        assert sum(n for _, n in policy.confidence.counts.values()) == learned
+        return
+    assert not any(hopeless[:8])
+    assert all(0 < len(c) <= 8 and all(0.0 <= x <= 1.0 for x in c) for c in seen)
     assert max(len(c) for c in seen) == 8
-    assert sum(n for _, n in eng.proposer.policy.confidence.counts) > 0
+    assert sum(n for _, n in policy.confidence.counts.values()) > learned

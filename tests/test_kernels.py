@@ -486,3 +486,28 @@ def test_amx_tiles_agree_bitwise_with_vnni(fmt):
                     assert torch.equal(got[m // 2:m // 2 + 1], kernels.rowinv_linear(x[m // 2:m // 2 + 1], p, bias))
     finally:
         kernels.set_amx(True)
+
+
+def test_top_probability_matches_the_softmax():
+    """The extension's top probability (a fast exp) agrees with float64 softmax to 1e-4 across lengths that do and
+    do not fill its vector lanes and across sharp and flat rows; a NaN or +inf gives None (as the torch path does),
+    and -inf entries (masked tokens) weigh nothing."""
+    from specdecode.layers.sampler import top_probability
+
+    assert kernels.kernel_available()
+    g = torch.Generator().manual_seed(7)
+    for n in (1, 15, 16, 33, 1000, 151936):
+        for scale in (0.01, 1.0, 8.0, 100.0):
+            row = torch.randn(n, generator=g) * scale
+            want = float(torch.softmax(row.double(), -1).max())
+            assert kernels.top_probability(row) == pytest.approx(want, rel=1e-4)
+            assert top_probability(row) == pytest.approx(want, rel=1e-4)
+    row = torch.randn(1001, generator=g)
+    masked = row.clone()
+    masked[::3] = float("-inf")
+    assert top_probability(masked) == pytest.approx(float(torch.softmax(masked.double(), -1).max()), rel=1e-4)
+    for bad in (float("nan"), float("inf")):
+        broken = row.clone()
+        broken[500] = bad
+        assert kernels.top_probability(broken) == -1.0 and top_probability(broken) is None
+    assert top_probability(torch.full((40,), float("-inf"))) is None

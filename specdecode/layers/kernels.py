@@ -554,6 +554,15 @@ def describe() -> str:
     return info["isa"] + (", AMX tiles for multi-row w8a8 / w4a8 calls" if info["amx"] else "")
 
 
+def top_probability(row: torch.Tensor) -> float | None:
+    """max(softmax(row)) of a contiguous float32 CPU row by the extension (-1.0 where the row is not finite), or
+    None without the extension."""
+    ext = None if _disabled() else _get_ext()
+    if ext is None or row.numel() == 0:
+        return None
+    return float(ext.top_probability(row.data_ptr(), row.numel()))
+
+
 def set_amx(enabled: bool) -> bool:
     """Let multi-row integer calls (w8a8 from 3 rows, w4a8 from 7) use AMX tiles; on by default where the CPU
     has them and the OS grants them, ``SPECDECODE_AMX=0`` keeps them off. The results are bitwise the same

@@ -160,6 +160,11 @@ class ConfidenceRates:
         ok, n = self.counts[key]
         self.counts[key] = (_CONFIDENCE_DECAY * ok + accepted, _CONFIDENCE_DECAY * n + 1.0)
 
+    def best_rate(self) -> float:
+        """The highest rate any confidence can be given (each band's at its top): what no request's prior exceeds."""
+        tops = _CONFIDENCE_BANDS + (1.0,)
+        return max(self.rate(tops[b], run) for run, b in self.counts)
+
     def prior(self, confidences: list[float], engine: Acceptance) -> "_Fixed":
         """The draft-model prior of a request whose latest confidences are ``confidences``: per kind, the mean
         rate of its confidences, with the engine-wide rate as one more of them."""
@@ -470,14 +475,13 @@ class StepOption:
     tokens: float        # expected tokens emitted (its own token plus accepted drafts)
     once: float = 0.0    # seconds of one-off work this step owes (a draft catch-up, spread over the request)
     fixed: int = 0       # tokens the engine drafts ahead of the option's own (forced text), in tokens and rows
+    # Derived, kept as fields: a step's plan reads them tens of thousands of times.
+    rows: int = field(init=False, compare=False)         # target rows it verifies
+    draft_steps: int = field(init=False, compare=False)  # draft-model passes it needs
 
-    @property
-    def rows(self) -> int:
-        return 1 + self.fixed + self.k
-
-    @property
-    def draft_steps(self) -> int:
-        return 0 if self.lookup else self.k
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rows", 1 + self.fixed + self.k)
+        object.__setattr__(self, "draft_steps", 0 if self.lookup else self.k)
 
 
 PLAIN = StepOption(False, 0, 1.0)
@@ -605,13 +609,15 @@ class _Batch:
         # Draft passes without request i, and what its joining them for the first s steps adds (prefix sums).
         others = [self.depth[s] - (s <= cur.draft_steps) for s in range(1, len(self.depth))]
         base = sum(draft(d) for d in others)
-        others += [0] * (max((o.draft_steps for o in opts), default=0) - len(others))  # deeper than the plan
+        deepest = max(o.draft_steps for o in opts) if opts else 0
+        others += [0] * (deepest - len(others))  # deeper than the plan
         join = [0.0]
-        for d in others:
+        for d in others[:deepest]:
             join.append(join[-1] + draft(d + 1) - draft(d))
+        base += once
         out = []
         for o in opts:
-            seconds = verify(rows + o.rows) + base + join[o.draft_steps] + once + o.once
+            seconds = verify(rows + o.rows) + base + join[o.draft_steps] + o.once
             out.append((tokens + o.tokens) / seconds if seconds > 0 else float("inf"))
         return out
 
@@ -691,6 +697,7 @@ class AdaptiveK:
         self._peak = 0.0  # recent batch sizes, decayed: what a batch that shrank for a moment grows back to
         self.expected_batch = 0  # requests the engine holds now (Proposer.expect_batch)
         self.confidence = ConfidenceRates()
+        self.drafting_hopeless = False  # the last plan's finding (see plan): confidences need not be noted
 
     def calibrate(self, target, draft, k_max: int, max_len: int, identity: dict[str, Any],
                   refresh: bool = False) -> CostModel:
@@ -747,6 +754,12 @@ class AdaptiveK:
         sc = _StepCosts(self.costs, context)
         self._peak = max(float(n), self._peak * _PEAK_DECAY)
         peak = max(int(self._peak + 0.5), self.expected_batch)
+        # Where the draft model cannot pay at this batch even if it drafted well, its options are left out: they
+        # would lose every comparison, and weighing them and noting the confidences that judge them (note_target)
+        # cost the step more than it gains.
+        self.drafting_hopeless = not self._drafting_could_pay(requests, draft_ks, sc)
+        if self.drafting_hopeless:
+            draft_ks = [0] * n
         options, starts = [], []
         for i, (r, budget, lk, dk) in enumerate(zip(requests, budgets, lookup_ks, draft_ks)):
             plain, drafts = _plain(r), self._options(r, False, dk, budget, sc)
@@ -783,6 +796,31 @@ class AdaptiveK:
             r.spec_plan = pick
             out.append(pick)
         return out
+
+    def _drafting_could_pay(self, requests: list, draft_ks: list[int], sc: _StepCosts) -> bool:
+        """Whether the draft model could raise this step's rate at any depth up to the requests' caps, drafting for
+        one request or for all of them (the others plain), at a hopeful acceptance: OPTIMISTIC_RATE or the best
+        rate a request has shown. Catch-ups are left out, so this errs towards yes."""
+        cap = max(draft_ks, default=0)
+        if cap <= 0:
+            return False
+        n = len(requests)
+        prior = self.costs.prior_of(False)
+        hope = max(OPTIMISTIC_RATE, *prior.kind_rates())
+        for r, dk in zip(requests, draft_ks):
+            if not dk:
+                continue
+            if r.acceptance.first_n + r.acceptance.next_n > 0:
+                hope = max(hope, *r.acceptance.rates(prior))
+            elif getattr(r, "confidence", None) is not None:  # its prior comes from its confidences (prior_of)
+                hope = max(hope, self.confidence.best_rate())
+        plain = n / sc.verify(n) if sc.verify(n) > 0 else float("inf")
+        for m in sorted({1, n}):
+            for k in range(1, cap + 1):
+                seconds = sc.verify(n + m * k) + k * sc.draft(m)
+                if seconds <= 0 or (n + m * (expected_tokens(hope, hope, k) - 1)) / seconds > plain:
+                    return True
+        return False
 
     def _options(self, r, lookup: bool, cap: int, budget: int, sc: _StepCosts,
                  rates: tuple[float, float] | None = None, spread: bool = True) -> list[StepOption]:

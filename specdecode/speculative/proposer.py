@@ -92,7 +92,7 @@ class Proposer:
         """The target's logits [V] at the first position of request's step (its prefill's last position, then
         each verification's first row). Adaptive k with a draft model notes the target's confidence there
         (``AdaptiveK.note_confidence``): it says how well the draft model would do before it drafts."""
-        if self.policy.enabled and self.draft_runner is not None:
+        if self.policy.enabled and self.draft_runner is not None and not self.policy.drafting_hopeless:
             self.policy.note_confidence(request, top_probability(logits))
 
     def prefill(self, request) -> None:
