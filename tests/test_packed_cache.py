@@ -268,6 +268,14 @@ def test_gguf_quantized_embedding_and_tokenizer_cache(tmp_path, cache, monkeypat
     assert isinstance(emb, PackedEmbedding) and emb.encoding == "Q5_0"
     ids = torch.tensor([0, 1, 77, 2047, 77])
     assert torch.equal(emb(ids), dense[ids])
+    # Small lookups (decode steps) keep their decoded rows, least recently used out first: the same bits as the
+    # table, whatever was kept, and never more rows than the cache's bound.
+    emb._max_rows = 3
+    for step in ([5], [6, 5], [7], [8, 9], [5, 2047], [0] * 16, list(range(100, 117))):
+        got = emb(torch.tensor([step]))
+        assert torch.equal(got[0], dense[torch.tensor(step)]), step
+        assert len(emb._rows) <= 3
+    assert list(emb._rows) == [5, 2047, 0]  # the 17-token lookup (a prompt) was decoded without the cache
     assert _same(cold, _logits(first)) and _same(cold, _logits(hit))
     cold_model.model.embed_tokens = torch.nn.Embedding.from_pretrained(dense)
     assert _same(cold, _logits(cold_model))

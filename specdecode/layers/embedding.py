@@ -8,10 +8,17 @@ uses, so the float32 rows are bitwise those of the dense table: outputs do not c
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 import torch.nn as nn
 
 DENSE = "dense"  # ``table`` is a [V, H] float tensor; anything else names a GGML block type (e.g. "Q4_K")
+# Decode and verification steps look up a few tokens each, mostly the same common ones, and decoding a GGML
+# row goes through numpy calls whose fixed cost dwarfs the row's: so the rows of lookups of up to
+# _CACHED_LOOKUP tokens are kept, least recently used first out, in up to _ROW_CACHE_BYTES per table.
+_CACHED_LOOKUP = 16
+_ROW_CACHE_BYTES = 8 << 20
 
 
 class PackedEmbedding(nn.Module):
@@ -36,6 +43,8 @@ class PackedEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         # The table the rows decode to, as nn.Embedding.weight would describe it (shape and dtype, no data).
         self.weight = torch.empty(num_embeddings, embedding_dim, dtype=torch.float32, device="meta")
+        self._rows: OrderedDict[int, torch.Tensor] = OrderedDict()  # decoded rows of recent small lookups
+        self._max_rows = max(1, _ROW_CACHE_BYTES // (4 * embedding_dim))
 
     @property
     def nbytes(self) -> int:
@@ -45,15 +54,33 @@ class PackedEmbedding(nn.Module):
         flat = ids.reshape(-1).to(device=self.table.device, dtype=torch.long)
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
             raise IndexError(f"token id out of range [0, {self.num_embeddings})")
-        rows = self.table.index_select(0, flat)
         if self.encoding == DENSE:
-            out = rows.float()
+            out = self.table.index_select(0, flat).float()
+        elif 0 < len(flat) <= _CACHED_LOOKUP:
+            out = self._cached_rows(flat.tolist())
         else:
-            from specdecode.models.gguf_loader import dequantize
-
-            out = dequantize(rows.numpy(), self._qtype, self.embedding_dim) if len(flat) else rows.new_empty(
-                0, dtype=torch.float32)
+            out = self._decode(flat) if len(flat) else torch.empty(0, self.embedding_dim, dtype=torch.float32)
         return out.reshape(*ids.shape, self.embedding_dim).to(ids.device)
+
+    def _decode(self, flat: torch.Tensor) -> torch.Tensor:
+        from specdecode.models.gguf_loader import dequantize
+
+        return dequantize(self.table.index_select(0, flat).numpy(), self._qtype,
+                          self.embedding_dim).view(-1, self.embedding_dim)
+
+    def _cached_rows(self, ids: list[int]) -> torch.Tensor:
+        """The rows of ``ids``, decoded once (the same function, so the same bits) and kept while recently used."""
+        rows = self._rows
+        missing = [t for t in dict.fromkeys(ids) if t not in rows]
+        if missing:
+            for t, row in zip(missing, self._decode(torch.tensor(missing, dtype=torch.long))):
+                rows[t] = row.clone()
+        for t in ids:
+            rows.move_to_end(t)
+        out = torch.stack([rows[t] for t in ids])
+        while len(rows) > self._max_rows:
+            rows.popitem(last=False)
+        return out
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, encoding={self.encoding}"
