@@ -1103,6 +1103,15 @@ static inline void w4a8_tile(const W4Args& a, int64_t m0, int64_t g0) {
 }
 constexpr int w4a8_width(int R) { return R <= 2 ? 4 : 2; }
 
+// acc + vpdpbusd(w, the 4 activation bytes at p in every lane), the broadcast taken by the instruction's own
+// memory operand. Where a broadcast feeds a single vpdpbusd (one group per tile), GCC's separate vpbroadcastd
+// took a vector slot of its own; the same integers either way.
+typedef int32_t __attribute__((may_alias)) AliasedI32;
+static inline SPECDECODE_ALWAYS_INLINE __m512i dpbusd_broadcast(__m512i acc, __m512i w, const int8_t* p) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const AliasedI32*>(p)));
+  return acc;
+}
+
 // R rows x one group of 16 channels, for decode and verification rows. A tile of several groups reads
 // several weight and scale streams at once; a 0.5B draft's short rows (K = 896: 7 KB per group) then spend
 // more time starting streams than reading them. One group at a time walks a thread's share as one weight
@@ -1148,8 +1157,8 @@ static inline void w4a8_one(const W4Args& a, int64_t m0, int64_t g) {
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int8_t* q = a.x.q + (m0 + r) * a.x.ldq + b * kQBlock + 8 * j;
-        t[r][s0] = _mm512_dpbusd_epi32(t[r][s0], lo, _mm512_set1_epi32(load4(q)));
-        t[r][s1] = _mm512_dpbusd_epi32(t[r][s1], hi, _mm512_set1_epi32(load4(q + 4)));
+        t[r][s0] = dpbusd_broadcast(t[r][s0], lo, q);
+        t[r][s1] = dpbusd_broadcast(t[r][s1], hi, q + 4);
       }
     }
     const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sg + b * kGroup)));
