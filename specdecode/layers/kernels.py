@@ -558,9 +558,10 @@ def top_probability(row: torch.Tensor) -> float | None:
     """max(softmax(row)) of a contiguous float32 CPU row by the extension (-1.0 where the row is not finite), or
     None without the extension."""
     ext = None if _disabled() else _get_ext()
-    if ext is None or row.numel() == 0:
+    fn = getattr(ext, "top_probability", None)  # absent from builds of older sources (benchmarks/bench_kernel_ab.py)
+    if fn is None or row.numel() == 0:
         return None
-    return float(ext.top_probability(row.data_ptr(), row.numel()))
+    return float(fn(row.data_ptr(), row.numel()))
 
 
 def set_amx(enabled: bool) -> bool:
