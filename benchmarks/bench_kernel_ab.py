@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import subprocess
 import tempfile
@@ -22,6 +21,7 @@ import warnings
 from pathlib import Path
 
 from specdecode import LLM, SamplingParams
+from specdecode.bench.datasets import load_dataset
 from specdecode.layers import kernels
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,14 +40,6 @@ def build(source: Path, build_root: Path):
         warnings.simplefilter("ignore")
         return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=kernels._BUILD_ATTEMPTS[0],
                                   extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
-
-
-def prompts(path: Path, count: int) -> list[str]:
-    first: dict[str, str] = {}
-    for line in path.read_text().splitlines():
-        q = json.loads(line)
-        first.setdefault(q["category"], q["turns"][0])
-    return list(first.values())[:count]
 
 
 def main() -> None:
@@ -70,7 +62,8 @@ def main() -> None:
         engine = llm.llm_engine
         spec = engine.config.speculative
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-        chats = [[{"role": "user", "content": p}] for p in prompts(args.questions, args.prompts)]
+        chats = [[{"role": "user", "content": p.text}]  # the first prompt of each category
+                 for p in load_dataset(str(args.questions), 1).prompts[:args.prompts]]
         for mode in args.modes.split(","):
             engine.set_speculative(spec if mode == "default" else {"method": "none"})
             tokens = {name: 0 for name in builds}

@@ -10,25 +10,17 @@ The models run one after the other, so only one is in memory at a time.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from specdecode.bench.datasets import load_dataset
 from specdecode.layers.attention import ForwardBatch
 from specdecode.models.default_models import default_model_path
 from specdecode.models.loader import load_model
 from specdecode.engine.model_runner import ModelRunner
 from specdecode.tokenizer import apply_chat_template, load_tokenizer
-
-
-def _prompts(dataset: Path, n: int) -> list[str]:
-    seen: dict[str, str] = {}
-    for line in dataset.read_text().splitlines():
-        row = json.loads(line)
-        seen.setdefault(row["category"], row["turns"][0])
-    return list(seen.values())[:n]
 
 
 def _logprobs(path: Path, quantization: str | None, seqs: list[list[int]], max_len: int) -> list[torch.Tensor]:
@@ -57,8 +49,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else default_model_path("target")
     tok = load_tokenizer(path, path.is_file())
-    seqs = [tok.encode(apply_chat_template(tok, [{"role": "user", "content": p}]))[:args.max_len]
-            for p in _prompts(Path(args.dataset), args.prompts)]
+    seqs = [tok.encode(apply_chat_template(tok, [{"role": "user", "content": p.text}]))[:args.max_len]
+            for p in load_dataset(args.dataset, 1).prompts[:args.prompts]]  # the first prompt of each category
     ref = _logprobs(path, None, seqs, args.max_len)
     total = sum(len(s) for s in seqs)
     print(f"model={path} positions={total}")

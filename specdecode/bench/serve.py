@@ -112,8 +112,7 @@ def _sharegpt_conversation(entry: Any, i: int) -> Conversation | None:
 
 
 def _usable(c: Conversation | None, multi_turn: bool, min_first_chars: int = 0) -> bool:
-    return (c is not None and (len(c.turns) >= 2 or not multi_turn)
-            and len(c.turns[0] if c.turns else "") >= min_first_chars)
+    return c is not None and (len(c.turns) >= 2 or not multi_turn) and len(c.turns[0]) >= min_first_chars
 
 
 def _sharegpt_package(needed: int, multi_turn: bool, min_first_chars: int = 0) -> tuple[list[Conversation], str]:

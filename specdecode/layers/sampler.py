@@ -119,14 +119,14 @@ class SamplingError(ValueError):
 def top_probability(logits: torch.Tensor) -> float | None:
     """The softmax's largest probability for one row of logits [V] (None if the row is not finite). A policy's
     signal, not a result: on CPU the kernel extension computes it with a fast exp (to about 1e-6)."""
+    top = None
     if logits.is_cpu and logits.dtype == torch.float32 and logits.dim() == 1 and logits.is_contiguous():
         from specdecode.layers import kernels
 
-        top = kernels.top_probability(logits)
-        if top is not None:
-            return top if 0.0 <= top <= 1.0 else None
-    lg = logits.float()
-    top = float(torch.exp(lg.max() - torch.logsumexp(lg, -1)))
+        top = kernels.top_probability(logits)  # -1.0 for a row that is not finite
+    if top is None:
+        lg = logits.float()
+        top = float(torch.exp(lg.max() - torch.logsumexp(lg, -1)))
     return top if 0.0 <= top <= 1.0 else None
 
 

@@ -799,22 +799,28 @@ class AdaptiveK:
 
     def _drafting_could_pay(self, requests: list, draft_ks: list[int], sc: _StepCosts) -> bool:
         """Whether the draft model could raise this step's rate at any depth up to the requests' caps, drafting for
-        one request or for all of them (the others plain), at a hopeful acceptance: OPTIMISTIC_RATE or the best
-        rate a request has shown. Catch-ups are left out, so this errs towards yes."""
+        one request or for all of them (the others plain), at a hopeful acceptance: the highest of OPTIMISTIC_RATE,
+        the engine-wide rates, the own rates of the requests that have drafted, and (for one that has not, whose
+        prior its confidences give) the best rate any confidence band gives. Catch-ups are left out, so this errs
+        towards yes."""
         cap = max(draft_ks, default=0)
         if cap <= 0:
             return False
         n = len(requests)
         prior = self.costs.prior_of(False)
         hope = max(OPTIMISTIC_RATE, *prior.kind_rates())
+        by_confidence = False
         for r, dk in zip(requests, draft_ks):
             if not dk:
                 continue
             if r.acceptance.first_n + r.acceptance.next_n > 0:
                 hope = max(hope, *r.acceptance.rates(prior))
-            elif getattr(r, "confidence", None) is not None:  # its prior comes from its confidences (prior_of)
-                hope = max(hope, self.confidence.best_rate())
-        plain = n / sc.verify(n) if sc.verify(n) > 0 else float("inf")
+            else:  # its prior comes from its confidences where it has them (prior_of)
+                by_confidence = by_confidence or getattr(r, "confidence", None) is not None
+        if by_confidence:
+            hope = max(hope, self.confidence.best_rate())
+        one_row = sc.verify(n)
+        plain = n / one_row if one_row > 0 else float("inf")
         for m in sorted({1, n}):
             for k in range(1, cap + 1):
                 seconds = sc.verify(n + m * k) + k * sc.draft(m)
