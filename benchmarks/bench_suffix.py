@@ -15,6 +15,8 @@ Configs (``--configs``, comma-separated): baseline is always first.
   suffix-draft  suffix matches first, the draft model elsewhere (as best, with suffix decoding as the lookup)
   suffix-f2, suffix-draft-f2   the same with suffix_decoding_max_spec_factor 2 (drafts up to twice the match
                 length instead of vLLM's default of once)
+  best-again    best's settings in a second proposer of its own (its own learned state): how far two runs of
+                one config differ per category, the noise floor a per-category comparison must clear
 
 Example:
   python benchmarks/bench_suffix.py --workload agentic --requests 20 --max-tokens 160 -o agentic.json
@@ -39,11 +41,15 @@ CONFIGS = {
     "suffix-draft": BenchConfig("suffix+draft k=4 lookup=12", "suffix-draft", 4, vocab=VOCAB, lookup_k=12),
     "suffix-f2": BenchConfig("suffix k=12 F=2", "suffix", 12),
     "suffix-draft-f2": BenchConfig("suffix+draft k=4 lookup=12 F=2", "suffix-draft", 4, vocab=VOCAB, lookup_k=12),
+    "best-again": BenchConfig("best again", "hybrid", 4, vocab=VOCAB, lookup_k=12),
 }
 WARMUP_PROMPT = "Name three primary colours."
 # SpeculativeConfig fields a config sets beyond what BenchConfig describes.
 OVERRIDES = {"suffix-f2": {"suffix_decoding_max_spec_factor": 2.0},
-             "suffix-draft-f2": {"suffix_decoding_max_spec_factor": 2.0}}
+             "suffix-draft-f2": {"suffix_decoding_max_spec_factor": 2.0},
+             # a field best does not read: the engine keeps one proposer per distinct config, so this gives
+             # best-again a proposer of its own that behaves as best's
+             "best-again": {"suffix_decoding_max_cached_requests": 9999}}
 
 
 class SuffixBenchRunner(BenchRunner):
