@@ -278,3 +278,31 @@ def test_bench_draft_stopping_rule_lists(flag, key, tag, tiny_models, tiny_draft
     assert full["greedy_mismatches"] == 0 and early["greedy_mismatches"] == 0
     assert r["meta"][key] == [0.0, 0.9]
     assert flag in _bench_error(models, flag, "1.5")
+
+
+def test_modeled_seconds_prices_the_logged_passes_by_the_calibrated_costs():
+    from specdecode.bench.runner import logged_passes, modeled_seconds
+    from specdecode.speculative.adaptive import CostModel
+
+    class Runner:
+        def forward_rows(self, seqs, all_logits):
+            return [len(t) for _, _, t in seqs]
+
+        def prefill_many(self, seqs, all_logits=None):
+            return [len(t) for _, _, t in seqs]
+
+    target, draft, log = Runner(), Runner(), []
+    with logged_passes(target, draft, log):
+        assert target.forward_rows([(0, 10, [1, 2, 3])], True) == [3]  # a 3-row verification after 10 tokens
+        draft.prefill_many([(0, 0, [5] * 8)])                          # the draft's prefill of 8 tokens
+        draft.forward_rows([(0, 8, [4])], False)                       # one draft step
+        target.prefill_many([(0, 0, [1] * 10)])  # the target's prefill comes before the first token: not logged
+    assert log == [(False, 3, 10), (True, 8, 0), (True, 1, 8)]
+    assert "forward_rows" not in vars(target) and "prefill_many" not in vars(draft)  # unwrapped after
+    costs = CostModel()
+    for rows, seconds in ((1, 0.04), (5, 0.05)):
+        costs.add(0, rows, seconds)
+    costs.add_draft(0, 0.01)
+    costs.add_draft(0, 0.05, rows=8)
+    assert modeled_seconds(log, costs) == pytest.approx(0.04 + 0.5 * 0.01 + 0.05 + 0.01)
+    assert modeled_seconds(log, CostModel()) is None  # not calibrated

@@ -66,6 +66,8 @@ def _aggregate(runs: list["PromptRun"], cfg: "BenchConfig", model_mb: float | No
     mism = [r for r in runs if r.match_baseline is False]
     speculative = cfg.method is not None
     weight_gbps = sum(r.weight_bytes_read for r in runs) / dec_time / 1e9 if dec_time > 0 else None
+    modeled = [r.modeled_decode_s for r in runs]
+    modeled_time = sum(modeled) if runs and None not in modeled else None
     return {
         "config": cfg.name, "method": cfg.method or "none", "k": cfg.k,
         "num_prompts": len(runs),
@@ -74,6 +76,8 @@ def _aggregate(runs: list["PromptRun"], cfg: "BenchConfig", model_mb: float | No
         "decode_time_s": dec_time,
         "decode_tokens_per_s": dec_tokens / dec_time if dec_time > 0 else None,
         "speedup": None,  # filled in against the baseline
+        # the same from the passes' calibrated costs (bench.runner.modeled_seconds): no clock noise
+        "modeled_decode_tokens_per_s": dec_tokens / modeled_time if modeled_time else None,
         "acceptance_rate": spec.acceptance_rate if speculative else None,
         "mean_acceptance_length": spec.mean_acceptance_length if speculative else None,
         "per_position_acceptance": spec.per_position_acceptance_rate if speculative else [],

@@ -25,6 +25,7 @@ models other configs loaded) and the bytes of weights and KV cache of the models
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -128,6 +129,11 @@ class PromptRun:
     peak_rss_mb: float
     draft_prefill_s: float = 0.0
     weight_bytes_read: int = 0  # weights streamed by the decode/verify passes of target and draft
+    # the decode/verify passes, as (draft model's, rows, context), for modeled_decode_s
+    passes: list[tuple[bool, int, int]] = field(default_factory=list)
+    # the passes' seconds by the calibrated pass costs (see modeled_seconds; with the draft's prefill, which
+    # decode_time_s leaves out), None without a calibration
+    modeled_decode_s: float | None = None
     match_baseline: bool | None = None
     first_diff_position: int | None = None
 
@@ -142,7 +148,7 @@ class PromptRun:
                 "ttft_s": self.ttft_s, "draft_prefill_s": self.draft_prefill_s, "decode_time_s": self.decode_time_s,
                 "e2e_latency_s": self.e2e_s,
                 "decode_tokens_per_s": (n - 1) / self.decode_time_s if n > 1 and self.decode_time_s > 0 else None,
-                "weight_bytes_read": self.weight_bytes_read,
+                "weight_bytes_read": self.weight_bytes_read, "modeled_decode_s": self.modeled_decode_s,
                 "peak_rss_mb": self.peak_rss_mb, "match_baseline": self.match_baseline,
                 "first_diff_position": self.first_diff_position, "spec_decode": self.spec.as_dict(),
                 "output_token_ids": self.output_token_ids}
@@ -154,6 +160,47 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def modeled_seconds(passes: list[tuple[bool, int, int]], costs) -> float | None:
+    """What ``passes`` ((draft model's, rows, context) each) cost by the calibrated pass costs ``costs``
+    (a CostModel): a decode time free of the machine's minute-to-minute noise. A proposer's decisions do not
+    depend on the clock, so two configs' modeled times differ only by the passes they chose; what the
+    proposers' own bookkeeping costs is not in it."""
+    total = 0.0
+    for is_draft, rows, context in passes:
+        c = costs.draft_cost(context, rows) if is_draft else costs.verify_cost(rows, context)
+        if c is None:
+            return None
+        total += c
+    return total
+
+
+@contextlib.contextmanager
+def logged_passes(target, draft, log: list[tuple[bool, int, int]]):
+    """Appends each decode/verify pass of the runners ``target`` and ``draft`` (or None), and each prefill of
+    the draft, to ``log`` as (draft model's, rows, context) while the block runs. The draft's prefill is in:
+    it happens after the first token, so a served stream waits for it (the target's prefill is before)."""
+    wrapped = []
+    for is_draft, runner in ((False, target), (True, draft)):
+        if runner is None:
+            continue
+        names = ("forward_rows", "prefill_many") if is_draft else ("forward_rows",)
+        for name in names:
+            inner = getattr(runner, name)
+
+            def logged(seqs, *args, _inner=inner, _draft=is_draft, **kwargs):
+                rows = sum(len(toks) for _, _, toks in seqs)
+                log.append((_draft, rows, sum(start for _, start, _ in seqs) // len(seqs)))
+                return _inner(seqs, *args, **kwargs)
+
+            setattr(runner, name, logged)
+            wrapped.append((runner, name))
+    try:
+        yield
+    finally:
+        for runner, name in wrapped:
+            delattr(runner, name)
 
 
 def _rss_mb() -> float:
@@ -377,7 +424,9 @@ class BenchRunner:
         rss = [_rss_mb()]  # sampled after every engine step
         draft_runner = eng.proposer.draft_runner if eng.proposer is not None else None
         passes0 = (eng.target.num_passes, draft_runner.num_passes if draft_runner is not None else 0)
-        run = run_timed(eng, rid, ids, params, on_step=lambda _: rss.append(_rss_mb()))
+        passes: list[tuple[bool, int, int]] = []
+        with logged_passes(eng.target, draft_runner, passes):
+            run = run_timed(eng, rid, ids, params, on_step=lambda _: rss.append(_rss_mb()))
         final, t0, t_first, t_end = run["output"], run["t0"], run["t_first"], run["t_end"]
         c = final.outputs[0]
         spec = final.metrics.spec_decode if final.metrics is not None else SpecDecodeStats()
@@ -387,7 +436,7 @@ class BenchRunner:
             read += (draft_runner.num_passes - passes0[1]) * linear_weight_bytes(draft_runner.model)  # this head
         return PromptRun(prompt_id, category, cfg.name, len(ids), list(c.token_ids), t_first - t0,
                          max(0.0, t_end - t_first - draft_prefill), t_end - t0, c.finish_reason, spec, max(rss),
-                         draft_prefill_s=draft_prefill, weight_bytes_read=read)
+                         draft_prefill_s=draft_prefill, weight_bytes_read=read, passes=passes)
 
     # ---- the whole run ----
     def run(self, dataset: Dataset) -> dict:
@@ -432,9 +481,24 @@ class BenchRunner:
                     runs.append(r)
                 bar.update(1)
         wall = time.perf_counter() - t_start
+        costs = self._pass_costs()
+        for r in runs:
+            r.modeled_decode_s = modeled_seconds(r.passes, costs) if costs is not None else None
         self._activate(self.configs[-1])
         meta = self._meta(dataset, len(prepared), skipped, wall)
         return summarize(runs, self.configs, dataset.categories, meta, self._model_mb)
+
+    def _pass_costs(self):
+        """The calibrated pass costs of the speculative configs (one calibration serves them all), or None."""
+        for cfg in self.configs:
+            if cfg.method is None:
+                continue
+            self._activate(cfg)
+            policy = getattr(self.engine.proposer, "policy", None)
+            costs = getattr(policy, "costs", None)
+            if costs is not None and costs.verify:
+                return costs
+        return None
 
     def _meta(self, ds: Dataset, used: int, skipped: list, wall: float) -> dict:
         import torch
