@@ -102,31 +102,6 @@ def test_each_drafted_token_carries_its_evidence_and_learns_its_rate():
     assert r.suffix_found[0] == found
 
 
-def test_a_requests_own_failed_lookups_lower_its_rates_only():
-    """The engine-wide rates of an evidence class say how such lookups fare over every request; a request whose
-    own lookups of that class keep failing has its chances scaled down, and another request starts from the
-    engine-wide rates."""
-    seq = [9, 0, 1, 2, 3, 4, 8, 0, 1, 2, 3, 7, 6, 0, 1, 2, 5, 5, 0, 1, 2, 3, 4, 11, 0, 1, 2]
-    p = SuffixProposer(min_token_prob=0.0, max_spec_factor=8)
-    teach = req(seq)
-    for _ in range(20):  # other requests: the class's first token mostly right
-        p.find(teach, teach.all_token_ids, 3)
-        p.score_found(teach, [3, 4, 7])
-    failing, fresh = req(seq), req(seq)
-    for _ in range(6):  # this request: the first token wrong every time
-        p.find(failing, failing.all_token_ids, 3)
-        p.score_found(failing, [5, 0, 0])
-    found = p.find(failing, failing.all_token_ids, 3)
-    own = p.found_rates(failing, found)
-    p.find(fresh, fresh.all_token_ids, 3)
-    engine_wide = p.found_rates(fresh, found)
-    assert own[0] < 0.5 * engine_wide[0]
-    assert all(a <= b for a, b in zip(own, engine_wide))
-    p.own_record = False  # the switch: engine-wide rates for every request
-    p.find(failing, failing.all_token_ids, 3)
-    assert p.found_rates(failing, found) == engine_wide
-
-
 def test_suffix_config_is_validated():
     from specdecode.config import SpeculativeConfig
 

@@ -68,7 +68,6 @@ class Request:
         self.proposer_step = None
         self.suffix_index = None
         self.suffix_found = None
-        self.suffix_record = None  # (lookup tokens matched, their foretold chances): SuffixProposer.found_rates
 
     @property
     def prefilling(self) -> bool:

@@ -41,7 +41,6 @@ _SHARE_BANDS = (0.3, 0.6, 0.9)
 _LONG_MATCH = 8
 _EVIDENCE_DECAY = 0.98   # per observation of a class: it follows the last fifty or so tokens of its kind
 _EVIDENCE_PRIOR = 4.0    # pseudo-trials at the token's share (times 0.9) before any are seen
-_OWN_PRIOR = 4.0         # a request's own record weighs this many expected tokens before it moves its rates
 
 
 def _key(a: int, b: int) -> int:
@@ -164,7 +163,6 @@ class SuffixProposer(Proposer):
         self.min_match = max(2, min_match)
         self.cache = cache if cache is not None else SuffixCache(max_cached_requests, max_tree_depth)
         self.evidence = EvidenceRates()
-        self.own_record = True  # each request's lookups so far rescale the engine-wide rates (found_rates)
 
     # ---- the proposer calls ----
     def propose(self, requests: list, budgets: list[int]) -> Proposal:
@@ -177,7 +175,7 @@ class SuffixProposer(Proposer):
     def finish(self, request) -> None:
         super().finish(request)
         self.cache.add(request.prompt_token_ids, request.output_token_ids)
-        request.suffix_index = request.suffix_found = request.suffix_record = None
+        request.suffix_index = request.suffix_found = None
 
     # ---- lookup ----
     def find(self, request, tokens: list[int], k: int) -> list[int]:
@@ -191,37 +189,24 @@ class SuffixProposer(Proposer):
         return draft
 
     def found_rates(self, request, found: list[int]) -> list[float] | None:
-        """Each token's chance of acceptance (the tokens before it accepted), by its evidence class, scaled
-        by how the request's own earlier lookups fared against those rates (``own_record``): the classes are
-        learned over every request, and a text that copies less than the others (a puzzle's answer among
-        rewrites) would otherwise keep taking lookups that its own record already shows to fail."""
+        """Each token's chance of acceptance (the tokens before it accepted), by its evidence class."""
         last = request.suffix_found
         if not found or last is None or last[0] != found:
             return None
-        rates = [self.evidence.rate(e) for e in last[1]]
-        record = getattr(request, "suffix_record", None)
-        if self.own_record and record is not None:
-            scale = (record[0] + _OWN_PRIOR) / (record[1] + _OWN_PRIOR)
-            rates = [min(1.0, scale * r) for r in rates]
-        return rates
+        return [self.evidence.rate(e) for e in last[1]]
 
     def score_found(self, request, emitted: list[int]) -> None:
         """Teach the evidence rates what the target emitted after the step's lookup, drafted or not: a
         token counts while every one before it matched (for a one-hot draft, matching the emitted token is
-        the acceptance test). The request's own record adds up the tokens matched and the rates foretold."""
+        the acceptance test)."""
         last = request.suffix_found
         request.suffix_found = None
         if not last:
             return
-        matched = foretold = 0.0
         for tok, ev, out in zip(last[0], last[1], emitted):
-            foretold += self.evidence.rate(ev)
-            matched += tok == out
             self.evidence.observe(ev, tok == out)
             if tok != out:
                 break
-        record = getattr(request, "suffix_record", None) or (0.0, 0.0)
-        request.suffix_record = (record[0] + matched, record[1] + foretold)
 
     def _lookup(self, request, tokens: list[int], k: int) -> tuple[list[int], list[tuple[float, int, int]]]:
         """``find``'s draft, with each token's evidence: (share, occurrences behind the draft, match length)."""
