@@ -186,6 +186,18 @@ def per_length(result: dict, edges: list[int]) -> list[dict]:
     return rows
 
 
+def against(groups: dict, configs: list[BenchConfig], best: str, key: str) -> dict[str, dict[str, float]]:
+    """Per group, each config's ``key`` over best's (configs without a figure, or groups where best has none,
+    left out of the group's entry)."""
+    return {g: {c.name: by_cfg[c.name][key] / by_cfg[best][key]
+                for c in configs if by_cfg[best][key] and by_cfg[c.name][key]}
+            for g, by_cfg in groups.items()}
+
+
+def rounded(ratios: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    return {g: {k: round(v, 3) for k, v in d.items()} for g, d in ratios.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", choices=(*GENERATED, "specbench", "short"), default="agentic")
@@ -227,17 +239,11 @@ def main() -> None:
     vs_best = {}
     if "best" in names:
         best = CONFIGS["best"].name
-        for g, by_cfg in groups.items():
-            vs_best[g] = {c.name: by_cfg[c.name]["decode_tokens_per_s"] / by_cfg[best]["decode_tokens_per_s"]
-                          for c in configs if by_cfg[best]["decode_tokens_per_s"] and by_cfg[c.name]["decode_tokens_per_s"]}
-        print("\nvs best: " + json.dumps({g: {k: round(v, 3) for k, v in d.items()} for g, d in vs_best.items()}))
+        vs_best = against(groups, configs, best, "decode_tokens_per_s")
+        print("\nvs best: " + json.dumps(rounded(vs_best)))
         # The same by the passes' calibrated costs: the configs' choices without the clock's noise.
-        modeled = {g: {c.name: round(by_cfg[c.name]["modeled_decode_tokens_per_s"]
-                                     / by_cfg[best]["modeled_decode_tokens_per_s"], 3)
-                       for c in configs if by_cfg[c.name]["modeled_decode_tokens_per_s"]}
-                   for g, by_cfg in groups.items() if by_cfg[best]["modeled_decode_tokens_per_s"]}
-        print("modeled vs best: " + json.dumps(modeled))
-        result["modeled_vs_best"] = modeled
+        result["modeled_vs_best"] = against(groups, configs, best, "modeled_decode_tokens_per_s")
+        print("modeled vs best: " + json.dumps(rounded(result["modeled_vs_best"])))
     mism = {c.name: result["overall"][c.name]["greedy_mismatches"] for c in configs}
     print("greedy mismatches vs baseline:", mism)
     lengths = per_length(result, [1, 8, 17, 25, 33, 65, 129, 10**6]) if a.workload not in GENERATED else []
