@@ -157,18 +157,23 @@ def test_accuracy(n, k):
     p4 = kernels.pack_linear(w, "w4a8")
     w4 = kernels.dequantize(p4)
     assert w4.shape == (n, k)
-    # 4-bit weights with a scale per 32: each block's values are 16 levels of its fp16 scale, and the
-    # chosen scale is at least as good as the plain absmax/8 one (one of the candidates).
+    # 4-bit weights with a scale per 32: each block's values are 16 levels of its scale, and the chosen grid
+    # is at least as good as the plain absmax/8 one (one of the candidates) rounded to the same units' codes.
     blocks = F.pad(w, (0, -k % 32)).view(n, -1, 32)
     q_blocks = F.pad(w4, (0, -k % 32)).view(n, -1, 32)
+    f = kernels._w4_unpack(p4)
     for i in range(min(n, 8)):
         for b in range(blocks.shape[1]):
             levels = torch.unique(q_blocks[i, b])
             assert len(levels) <= 16
-            vmax = blocks[i, b].abs().max()
-            s = (vmax / 8).half().float()
-            plain = (torch.round(blocks[i, b] / s).clamp(-8, 7) * s - blocks[i, b]).pow(2).sum()
-            assert (q_blocks[i, b] - blocks[i, b]).pow(2).sum() <= plain * (1 + 1e-5) + 1e-12
+            blk = blocks[i, b]
+            v = blk[blk.abs().argmax()]
+            unit, unit_o = float(f.D[i, b // 8]), float(f.Dm[i, b // 8])
+            s = torch.round(-v / 8 / unit).clamp(-127, 127) * unit if unit else torch.tensor(0.0)
+            o = torch.round(-v / unit_o).clamp(-127, 127) * unit_o if unit_o else torch.tensor(0.0)
+            u = torch.round((blk + o) / s).clamp(0, 15) if s else torch.zeros_like(blk)
+            plain = (u * s - o - blk).pow(2).sum()
+            assert (q_blocks[i, b] - blk).pow(2).sum() <= plain * (1 + 1e-5) + 1e-12
     assert _rel_err(kernels.rowinv_linear(x, p4), _reference(x, p4)) < 1e-5
     assert _rel_err(kernels.rowinv_linear(x, p4), ref) < 0.25
 
@@ -308,44 +313,67 @@ def test_activation_quantization_is_per_row_and_per_block():
     assert torch.all(q[1, 40:64] == 0)
 
 
-def test_w4a8_holds_affine_4bit_blocks_as_stored():
-    """A block stored the way GGUF's Q4_K stores it (a scale times 0..15, minus a minimum) fits an affine grid
-    and comes back up to fp16 rounding of its scale and offset: a small fraction of one quantization step,
-    where a symmetric grid would be off by up to half a step."""
-    g = torch.Generator().manual_seed(3)
-    n, k = 48, 256
-    scale = torch.rand(n, k // 32, 1, generator=g) * 0.02 + 0.001
-    mins = scale * torch.rand(n, k // 32, 1, generator=g) * 8
-    q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
-    q[..., 0], q[..., 1] = 0, 15  # the full range, as most Q4_K blocks have
-    w = (scale * q - mins).view(n, k)
-    p = kernels.pack_linear(w, "w4a8")
-    assert p.scale.ndim == 3  # scales and offsets
-    err = (kernels.dequantize(p) - w).view(n, k // 32, 32).abs().amax(dim=2, keepdim=True)
-    assert (err <= scale * 0.02).all(), float((err / scale).max())
+def _q4k_blocks(n: int, k: int, seed: int) -> torch.Tensor:
+    """Random GGUF Q4_K rows (uint8 [n, k / 256 * 144]): random bytes but d and dmin, which are small fp16
+    values (and one super-block of each row has a negative d, which the format allows)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (n, k // 256, 144), dtype=torch.uint8, generator=g)
+    units = (torch.rand(n, k // 256, 2, generator=g) * 0.004 + 1e-5).half()
+    units[:, 0, 0] = -units[:, 0, 0]
+    blocks[:, :, :4] = units.view(torch.uint8).view(n, k // 256, 4)
+    return blocks.view(n, -1)
+
+
+def test_w4a8_holds_q4k_blocks_exactly_as_stored():
+    """A GGUF Q4_K tensor packed from its stored blocks (``pack_q4k``) holds exactly the weights llama.cpp's
+    own dequantization gives (gguf-py's, bit for bit), and the kernel multiplies with those weights."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    n, k = 40, 768
+    blocks = _q4k_blocks(n, k, 3)
+    want = torch.from_numpy(gguf_dequantize(blocks.numpy(), GGMLQuantizationType.Q4_K).astype(np.float32))
+    p = kernels.pack_q4k(blocks, k)
+    assert p.nbytes == 48 * k // 32 * 18.5  # 18.5 bytes per 32 weights (40 channels padded to 48)
+    assert torch.equal(kernels.dequantize(p), want.view(n, k))
     x = _x(5, k, 4)
-    assert _rel_err(kernels.rowinv_linear(x, p), _reference(x, p)) < 1e-5
+    assert _rel_err(kernels.rowinv_linear(x, p), kernels.quantize_activations(x) @ want.view(n, k).T) < 1e-5
+    with pytest.raises(ValueError, match="multiple of 256"):
+        kernels.pack_q4k(blocks[:, :144], 200)
+
+
+def test_w4a8_quantizes_float_weights_to_grids_of_the_codes():
+    """Other weights get per block the best of a few grids, rounded to the codes: every weight lies within half
+    a step of its block's grid (or is clipped at its end), and the error is that of 4-bit weights."""
+    w = _weight(70, 300, 5)
+    p = kernels.pack_linear(w, "w4a8")
+    f = kernels._w4_unpack(p)
+    s = kernels._w4_values(f.cs, f.D)[:, :, None]
+    o = kernels._w4_values(f.co, f.Dm)[:, :, None]
+    wp = F.pad(w, (0, 20)).view(70, -1, 32)
+    inside = ((wp + o) / s >= -0.5) & ((wp + o) / s <= 15.5)
+    err = (kernels.dequantize(p) - w).view(70, -1).abs()
+    assert (F.pad(err, (0, 20)).view(70, -1, 32)[inside] <= (s.abs() / 2 * 1.0001).expand_as(wp)[inside]).all()
+    assert float((err.pow(2).mean() / w.pow(2).mean())) < 0.01
 
 
 def test_w4a8_select_rows_and_layout_round_trip():
     w = _weight(70, 100, 5)
     p = kernels.pack_linear(w, "w4a8")
-    q, sc, off = kernels._w4_unpack(p)
-    assert q.shape == (70, 128) and sc.shape == (70, 4) and int(q.min()) >= -8 and int(q.max()) <= 7
-    assert off is not None and off.shape == (70, 4)  # Gaussian weights: some blocks fit an affine grid best
-    again = kernels._w4_pack(q, sc, off, 100)
+    f = kernels._w4_unpack(p)
+    assert f.u.shape == (70, 128) and f.cs.shape == f.co.shape == (70, 4) and f.D.shape == f.Dm.shape == (70, 1)
+    assert int(f.u.min()) >= 0 and int(f.u.max()) <= 15 and bool((f.co != 0).any())
+    again = kernels._w4_pack(f, 100)
     assert torch.equal(again.weight, p.weight) and torch.equal(again.scale, p.scale)
     rows = torch.tensor([69, 0, 17, 16, 33])
     sub = p.select_rows(rows)
     # Rows are cut byte for byte: the same layout as unpacking them and packing again.
     for cut in (rows, torch.arange(70).flip(0), torch.tensor([3])):
-        ref = kernels._w4_pack(*kernels._w4_unpack_rows(p, cut), 100)
+        ref = kernels._w4_pack(kernels._w4_unpack_rows(p, cut), 100)
         got = p.select_rows(cut)
         assert torch.equal(got.weight, ref.weight) and torch.equal(got.scale, ref.scale), cut
         assert got.out_features == ref.out_features == len(cut)
-    plain = kernels._w4_pack(q, sc, None, 100)  # the format without offsets
-    assert plain.scale.ndim == 2 and torch.equal(plain.select_rows(rows).scale,
-                                                 kernels._w4_pack(*kernels._w4_unpack_rows(plain, rows), 100).scale)
     assert torch.equal(kernels.dequantize(sub), kernels.dequantize(p)[rows])
     x = _x(6, 100, 6)
     assert torch.equal(kernels.rowinv_linear(x, sub), kernels.rowinv_linear(x, p)[:, rows])
@@ -422,16 +450,15 @@ def test_integer_instruction_sets_agree_bitwise(tmp_path, tiny_models):
     variants = {"scalar": base}
     if kernels._ext.isa() == "avx512-vnni":
         variants["avx2"] = base + ["-march=native", "-mno-avx512f"]
-    if kernels._ext.isa() != "scalar":  # w4a8's scales are fp16: the path without F16C converts them itself
+    if kernels._ext.isa() != "scalar":  # w4a8's units are fp16: the path without F16C converts them itself
         variants["avx2_no_f16c"] = base + ["-march=native", "-mno-avx512f", "-mno-f16c"]
     cases = []
     for i, (n, k) in enumerate([(64, 64), (257, 72), (131, 1536), (40, 4100)]):
         w = _weight(n, k, 60 + i)
         for fmt in ("w8a8", "w4a8"):
             cases.append((kernels.pack_linear(w, fmt), _x(7, k, 70 + i) * 4, torch.randn(n)))
-        q, sc, off = kernels._w4_unpack(cases[-1][0])
-        assert off is not None  # the offsets' epilogue is compared, and (next) the format without it
-        cases.append((kernels._w4_pack(q, sc, None, k), _x(7, k, 70 + i) * 4, torch.randn(n)))
+        if k % 256 == 0:  # stored Q4_K blocks: 6-bit codes, a negative unit
+            cases.append((kernels.pack_q4k(_q4k_blocks(n, k, 80 + i), k), _x(7, k, 70 + i) * 4, torch.randn(n)))
     # 7 rows take the tiles of 4 and 3 rows; 1 and 2 rows (decode, short verification) take the paths that run
     # the offsets' chains inside the block loop.
     cases += [(p, x[:n], b) for p, x, b in list(cases) for n in (1, 2)]

@@ -43,8 +43,7 @@
 
 namespace {
 
-// kW4A8O: w4a8 with per-block offsets (see W4Args::off)
-enum Fmt : int { kF32 = 0, kBF16 = 1, kI8 = 2, kW8A8 = 3, kW4A8 = 4, kW4A8O = 5 };
+enum Fmt : int { kF32 = 0, kBF16 = 1, kI8 = 2, kW8A8 = 3, kW4A8 = 4 };
 
 constexpr int64_t kUnit = 24;       // channels per parallel work unit (lcm of tile widths 8, 6, 3, 2)
 constexpr int64_t kRowBlock = 64;   // rows processed per pass over a channel block
@@ -910,41 +909,44 @@ static void with_quantized_x(const float* x, int64_t ldx, int64_t K, int64_t Kp,
 }
 
 // =============================================================================================
-// W4A8: 4-bit weights (one fp16 scale per 32 weights of a channel) x int8 activations, exact integer
-// dot products. A draft model only has to be cheap; with half the bytes of int8 its step costs less.
+// W4A8: 4-bit weights x int8 activations, exact integer dot products, in the layout of GGUF's Q4_K: per block
+// of 32 weights of a channel an 8-bit scale code and an 8-bit offset code, and per 8 blocks (256 weights) one
+// fp16 scale and one fp16 offset unit, so 18.5 bytes per 32 weights (an fp16 scale and offset per block took 20).
 //
-// Weight w[n, k] = s[n, b] * (u[n, k] - 8) with u in 0..15 and b = k / 32. Per (row, channel) and block b
-// the kernel takes the exact integer t_b = sum_{k in b} (u[n, k] - 8) * q[m, k], then
-//   acc = fma(float(t_b), d_b * s[n, b], acc)   for b = 0, 1, ... in order;   y[m, n] = acc + bias[n],
-// where d_b * s[n, b] is one float product. As for w8a8 every path (AVX-512 VNNI, AVX2, scalar) does
-// exactly this, so they agree bit for bit and a row never depends on the other rows.
+// Weight w[n, k] = s[n, b] * u[n, k] - o[n, b] with u in 0..15, b = k / 32, t = b / 8 and
+//   s[n, b] = D[n, t] * cs[n, b],   o[n, b] = Dm[n, t] * co[n, b]   (cs, co: int8 codes; D, Dm: fp16).
+// Both products are exact in float (8 + 11 significant bits), so every path gets the same s and o whatever
+// instructions it uses. Per (row, channel) and block b the kernel takes the exact integer
+// t_b = sum_{k in b} u[n, k] * q[m, k], then
+//   acc = fma(float(t_b), d_b * s[n, b], acc)   for b = 0, 1, ... in order,
+// and the offsets' share in a chain of its own, in block order,
+//   c = 0;   c = fma(-(d_b * sum_{k in b} q[m, k]), o[n, b], c)   for b = 0, 1, ...;   y[m, n] = (acc + c) + bias[n],
+// which w4a8_store, the end of every path (VNNI, AMX, AVX2, scalar), applies. Every path does exactly this, so
+// they agree bit for bit and a row never depends on the other rows. A Q4_K block is held exactly as stored
+// (D, Dm its d and dmin; cs, co its 6-bit scale and minimum).
 //
 // Layout: channels in groups of 16 as for w8a8; group g, block b, quarter j (8 k values) is 64 bytes in
 // which lane l (channel 16g + l) holds 4 bytes, byte i = u[k0 + i] | u[k0 + 4 + i] << 4 with
 // k0 = 32b + 8j. The low nibbles then line up with activation bytes k0..k0+3 and the high ones with
-// k0+4..k0+7. Scales are fp16 [groups, blocks, 16]. The integer accumulator starts at -8 * sum(q), which
-// turns the unsigned nibbles into the signed weights.
-//
-// With offsets (kW4A8O, what affine 4-bit checkpoints such as GGUF's Q4_K need), w[n, k] = s[n, b] * (u - 8)
-// - o[n, b], and every (row, channel) also sums its offsets' share in a chain of its own, in block order,
-//   c = 0;   c = fma(-(d_b * sum_{k in b} q[m, k]), o[n, b], c)   for b = 0, 1, ...;   y[m, n] = (acc + c) + bias[n]
-// which w4a8_store, the end of every path (VNNI, AMX, AVX2, scalar), applies: the integer loops are untouched
-// and the paths still agree bit for bit. Offsets are fp16 [groups, blocks, 16] right after the scales.
+// k0+4..k0+7. A group's scale row is [nblocks][32] codes (block b: cs of lanes 0..15, then co of lanes
+// 0..15), then [nsuper][32] fp16 (super-block t: D of lanes 0..15, then Dm of lanes 0..15).
 // =============================================================================================
 struct W4Args {
   QAct x;
   const uint8_t* w;     // [groups, Kp * 8]
-  const uint16_t* s;    // fp16 [groups, nblocks * 16]
+  const uint8_t* sc;    // [groups, stride()]: codes, then super-block units (see above)
   int64_t Kp;
   int64_t nblocks;
+  int64_t nsuper;       // ceil(nblocks / 8)
   int64_t N;
   const float* bias;
   float* y;
   int64_t ldy;
   bool one_group;       // few rows: tiles of a single group (see w4a8_one)
-  const uint16_t* off;  // fp16 block offsets [groups, nblocks * 16], or null (kW4A8)
   const uint8_t* group(int64_t g) const { return w + g * Kp * (kGroup / 2); }
-  const uint16_t* scales(int64_t g) const { return s + g * nblocks * kGroup; }
+  int64_t stride() const { return nblocks * 32 + nsuper * 64; }
+  const int8_t* codes(int64_t g) const { return reinterpret_cast<const int8_t*>(sc + g * stride()); }
+  const uint16_t* units(int64_t g) const { return reinterpret_cast<const uint16_t*>(sc + g * stride() + nblocks * 32); }
 };
 
 static inline float half_to_float(uint16_t h) {  // exact, including subnormals
@@ -966,17 +968,44 @@ static inline float half_to_float(uint16_t h) {  // exact, including subnormals
   return f;
 }
 
+// s[n, b] (part 0) or o[n, b] (part 16) of lane l of group g: an exact product (see above).
+static inline float w4_unit(const W4Args& a, int64_t g, int64_t b, int l, int part) {
+  return static_cast<float>(a.codes(g)[b * 32 + part + l]) * half_to_float(a.units(g)[(b >> 3) * 32 + part + l]);
+}
+
+#if SPECDECODE_AVX2
+// 8 fp16 values as floats (exact either way): F16C where the CPU has it, else converted one by one.
+static inline __m256 load_half8(const uint16_t* p) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  alignas(32) float f[8];
+  for (int l = 0; l < 8; ++l) f[l] = half_to_float(p[l]);
+  return _mm256_load_ps(f);
+#endif
+}
+
+// w4_unit of lanes [l0, l0 + 8) of the group whose codes and units start at cg and ug (part added to l0).
+static inline __m256 w4_unit8(const int8_t* cg, const uint16_t* ug, int64_t b, int l0) {
+  const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cg + b * 32 + l0))));
+  return _mm256_mul_ps(c, load_half8(ug + (b >> 3) * 32 + l0));
+}
+#endif
+
 // The offsets' chain c (see above) of R rows from m0 for 8 channels from n0 (a multiple of 8): each offset
 // vector is loaded once for all R rows.
 template <int R>
 static inline void w4a8_offsets(const W4Args& a, int64_t m0, int64_t n0, float (*c)[8]) {
-  const uint16_t* o = a.off + (n0 / kGroup) * a.nblocks * kGroup + n0 % kGroup;
+  const int64_t g = n0 / kGroup;
+  const int l0 = static_cast<int>(n0 % kGroup);
   const float* nq = a.x.noff + m0 * a.x.ldb;
-#if SPECDECODE_AVX2 && defined(__F16C__)
+#if SPECDECODE_AVX2
+  const int8_t* cg = a.codes(g);
+  const uint16_t* ug = a.units(g);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < a.nblocks; ++b) {
-    const __m256 ob = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + b * kGroup)));
+    const __m256 ob = w4_unit8(cg, ug, b, 16 + l0);
     for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(nq[r * a.x.ldb + b]), ob, acc[r]);
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(c[r], acc[r]);
@@ -984,7 +1013,7 @@ static inline void w4a8_offsets(const W4Args& a, int64_t m0, int64_t n0, float (
   for (int r = 0; r < R; ++r)
     for (int l = 0; l < 8; ++l) {
       float acc = 0.0f;
-      for (int64_t b = 0; b < a.nblocks; ++b) acc = std::fma(nq[r * a.x.ldb + b], half_to_float(o[b * kGroup + l]), acc);
+      for (int64_t b = 0; b < a.nblocks; ++b) acc = std::fma(nq[r * a.x.ldb + b], w4_unit(a, g, b, l0 + l, 16), acc);
       c[r][l] = acc;
     }
 #endif
@@ -993,29 +1022,31 @@ static inline void w4a8_offsets(const W4Args& a, int64_t m0, int64_t n0, float (
 // y[m, n0 + l] = (v[l] + c[l]) + bias for the lanes inside N; c: the offsets' chain, computed here if not given.
 static inline void w4a8_store(const W4Args& a, int64_t m, int64_t n0, const float* v, int lanes,
                               const float* c = nullptr) {
-  alignas(32) float shifted[16];
-  if (a.off) {
-    alignas(32) float own[2][8];
-    if (c == nullptr) {
-      for (int h = 0; h < lanes; h += 8) w4a8_offsets<1>(a, m, n0 + h, &own[h / 8]);
-    }
-    for (int l = 0; l < lanes; ++l) shifted[l] = v[l] + (c ? c[l] : own[l / 8][l % 8]);
-    v = shifted;
+  alignas(32) float own[2][8];
+  if (c == nullptr) {
+    for (int h = 0; h < lanes; h += 8) w4a8_offsets<1>(a, m, n0 + h, &own[h / 8]);
   }
   for (int l = 0; l < lanes && n0 + l < a.N; ++l) {
-    float r = v[l];
+    float r = v[l] + (c ? c[l] : own[l / 8][l % 8]);
     if (a.bias) r = r + a.bias[n0 + l];
     a.y[m * a.ldy + n0 + l] = r;
   }
 }
 
 #if SPECDECODE_VNNI
-// Block b of the offsets' chains (see w4a8_offsets) of R rows from m0, all 16 channels of the group whose
-// offsets start at og: one offset vector for every row, one fma per row and lane, in block order.
+// w4_unit of all 16 lanes of block b (part 0: scales, 16: offsets) of the group whose codes and units start at
+// cg and ug.
+static inline SPECDECODE_ALWAYS_INLINE __m512 w4_unit16(const int8_t* cg, const uint16_t* ug, int64_t b, int part) {
+  const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cg + b * 32 + part))));
+  return _mm512_mul_ps(c, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ug + (b >> 3) * 32 + part))));
+}
+
+// Block b of the offsets' chains (see w4a8_offsets) of R rows from m0, all 16 channels of group g: one offset
+// vector for every row, one fma per row and lane, in block order.
 template <int R>
-static inline SPECDECODE_ALWAYS_INLINE void w4a8_offsets_block(const W4Args& a, int64_t m0, const uint16_t* og,
-                                                               int64_t b, __m512 (&oc)[R]) {
-  const __m512 ob = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(og + b * kGroup)));
+static inline SPECDECODE_ALWAYS_INLINE void w4a8_offsets_block(const W4Args& a, int64_t m0, const int8_t* cg,
+                                                               const uint16_t* ug, int64_t b, __m512 (&oc)[R]) {
+  const __m512 ob = w4_unit16(cg, ug, b, 16);
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) oc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a.x.noff[(m0 + r) * a.x.ldb + b]), ob, oc[r]);
 }
@@ -1027,21 +1058,20 @@ static inline SPECDECODE_ALWAYS_INLINE void w4a8_store_tile(const W4Args& a, int
 #pragma GCC unroll 4
   for (int c = 0; c < C; ++c) {
     alignas(64) float out[16], off[R][16];
-    if (a.off) {
-      // The offsets' chains of the R rows at once, all 16 lanes: each offset vector is loaded once for every
-      // row, and the R chains run side by side (one row's chain alone waits on its fma latency at every block).
-      const uint16_t* og = a.off + (g0 + c) * a.nblocks * kGroup;
-      __m512 oc[R];
+    // The offsets' chains of the R rows at once, all 16 lanes: each offset vector is loaded once for every
+    // row, and the R chains run side by side (one row's chain alone waits on its fma latency at every block).
+    const int8_t* cg = a.codes(g0 + c);
+    const uint16_t* ug = a.units(g0 + c);
+    __m512 oc[R];
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) oc[r] = _mm512_setzero_ps();
-      for (int64_t b = 0; b < a.nblocks; ++b) w4a8_offsets_block<R>(a, m0, og, b, oc);
+    for (int r = 0; r < R; ++r) oc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < a.nblocks; ++b) w4a8_offsets_block<R>(a, m0, cg, ug, b, oc);
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) _mm512_store_ps(off[r], oc[r]);
-    }
+    for (int r = 0; r < R; ++r) _mm512_store_ps(off[r], oc[r]);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       _mm512_store_ps(out, acc[r][c]);
-      w4a8_store(a, m0 + r, (g0 + c) * kGroup, out, 16, a.off ? off[r] : nullptr);
+      w4a8_store(a, m0 + r, (g0 + c) * kGroup, out, 16, off[r]);
     }
   }
 }
@@ -1060,16 +1090,14 @@ static inline void w4a8_tile(const W4Args& a, int64_t m0, int64_t g0) {
       for (int c = 0; c < C; ++c) {
         const char* wg = reinterpret_cast<const char*>(a.group(g0 + c));
         for (int l = 0; l < 4; ++l) prefetch_l2(wg + (b + kW4PrefetchL2Blocks) * 256 + 64 * l);
-        if ((b & 1) == 0) prefetch_l2(reinterpret_cast<const char*>(a.scales(g0 + c) + (b + kW4PrefetchL2Blocks) * kGroup));
+        if ((b & 1) == 0) prefetch_l2(reinterpret_cast<const char*>(a.codes(g0 + c) + (b + kW4PrefetchL2Blocks) * 32));
       }
     }
     __m512i t[R][C];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512i nc = _mm512_set1_epi32(a.x.ncorr[(m0 + r) * a.x.ldb + b] / 16);
+    for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) t[r][c] = nc;
-    }
+      for (int c = 0; c < C; ++c) t[r][c] = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       __m512i lo[C], hi[C];
@@ -1089,8 +1117,7 @@ static inline void w4a8_tile(const W4Args& a, int64_t m0, int64_t g0) {
     }
     __m512 sc[C];
 #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c)
-      sc[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.scales(g0 + c) + b * kGroup)));
+    for (int c = 0; c < C; ++c) sc[c] = w4_unit16(a.codes(g0 + c), a.units(g0 + c), b, 0);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512 d = _mm512_set1_ps(a.x.d[(m0 + r) * a.x.ldb + b]);
@@ -1127,28 +1154,25 @@ static inline void w4a8_one(const W4Args& a, int64_t m0, int64_t g) {
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
   const uint8_t* wg = a.group(g);
-  const uint16_t* sg = a.scales(g);
+  const int8_t* cg = a.codes(g);
+  const uint16_t* ug = a.units(g);
   // The offsets' chain (see w4a8_offsets) of all 16 channels, block by block beside the integer sums: the
   // same fma per lane in the same block order, so the same bits, but its latency now hides behind the weight
   // stream instead of following it as two serial passes per row.
-  const uint16_t* og = a.off ? a.off + g * a.nblocks * kGroup : nullptr;
   __m512 oacc[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) oacc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.nblocks; ++b) {
     if (kPrefetch) {
       for (int l = 0; l < 4; ++l) prefetch_l2(reinterpret_cast<const char*>(wg) + (b + kW4PrefetchL2Blocks) * 256 + 64 * l);
-      if ((b & 1) == 0) prefetch_l2(reinterpret_cast<const char*>(sg + (b + kW4PrefetchL2Blocks) * kGroup));
-      if (og && (b & 1) == 0) prefetch_l2(reinterpret_cast<const char*>(og + (b + kW4PrefetchL2Blocks) * kGroup));
+      if ((b & 1) == 0) prefetch_l2(reinterpret_cast<const char*>(cg + (b + kW4PrefetchL2Blocks) * 32));
     }
-    if (og) w4a8_offsets_block<R>(a, m0, og, b, oacc);
+    w4a8_offsets_block<R>(a, m0, cg, ug, b, oacc);
     __m512i t[R][kSums];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      t[r][0] = _mm512_set1_epi32(a.x.ncorr[(m0 + r) * a.x.ldb + b] / 16);
+    for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-      for (int i = 1; i < kSums; ++i) t[r][i] = _mm512_setzero_si512();
-    }
+      for (int i = 0; i < kSums; ++i) t[r][i] = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       const __m512i v = _mm512_loadu_si512(wg + (b * 4 + j) * 64);
@@ -1161,7 +1185,7 @@ static inline void w4a8_one(const W4Args& a, int64_t m0, int64_t g) {
         t[r][s1] = dpbusd_broadcast(t[r][s1], hi, q + 4);
       }
     }
-    const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sg + b * kGroup)));
+    const __m512 sc = w4_unit16(cg, ug, b, 0);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       __m512i tt = t[r][0];
@@ -1176,22 +1200,11 @@ static inline void w4a8_one(const W4Args& a, int64_t m0, int64_t g) {
   for (int r = 0; r < R; ++r) {
     _mm512_store_ps(out, acc[r]);
     _mm512_store_ps(c, oacc[r]);
-    w4a8_store(a, m0 + r, g * kGroup, out, 16, og ? c : nullptr);
+    w4a8_store(a, m0 + r, g * kGroup, out, 16, c);
   }
 }
 
 #elif SPECDECODE_AVX2
-// 8 fp16 values as floats (exact either way): F16C where the CPU has it, else converted one by one.
-static inline __m256 load_half8(const uint16_t* p) {
-#if defined(__F16C__)
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#else
-  alignas(32) float f[8];
-  for (int l = 0; l < 8; ++l) f[l] = half_to_float(p[l]);
-  return _mm256_load_ps(f);
-#endif
-}
-
 // R rows x one group of 16 channels, as two halves of 8 held at once. Products of a nibble (<= 15) and an
 // activation byte (|q| <= 127) summed in pairs are at most 3810 in magnitude, so a block's 8 pair sums
 // per lane fit int16 exactly (<= 30480) and are widened once per block.
@@ -1204,24 +1217,24 @@ static inline void w4a8_group(const W4Args& a, int64_t m0, int64_t g) {
 #pragma GCC unroll 2
     for (int h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_ps();
   const uint8_t* wg = a.group(g);
-  const uint16_t* sg = a.scales(g);
+  const int8_t* cg = a.codes(g);
+  const uint16_t* ug = a.units(g);
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   // With few rows the offsets' chains (see w4a8_offsets) run beside the integer sums, block by block: the same
   // fma per lane in the same order, so the same bits, with their latency hidden behind the weight stream. With
   // more rows their registers would spill, and the R chains side by side after the loop keep the units busy.
   constexpr bool kInLoop = R <= 3;
-  const uint16_t* og = kInLoop && a.off ? a.off + g * a.nblocks * kGroup : nullptr;
   __m256 oacc[R][H];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
     for (int h = 0; h < H; ++h) oacc[r][h] = _mm256_setzero_ps();
   for (int64_t b = 0; b < a.nblocks; ++b) {
-    if (og) {
+    if (kInLoop) {
 #pragma GCC unroll 2
       for (int h = 0; h < H; ++h) {
-        const __m256 ob = load_half8(og + b * kGroup + 8 * h);
+        const __m256 ob = w4_unit8(cg, ug, b, 16 + 8 * h);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r)
           oacc[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(a.x.noff[(m0 + r) * a.x.ldb + b]), ob, oacc[r][h]);
@@ -1230,7 +1243,7 @@ static inline void w4a8_group(const W4Args& a, int64_t m0, int64_t g) {
     {
 #pragma GCC unroll 4
       for (int l = 0; l < 4; ++l) prefetch(reinterpret_cast<const char*>(wg + (b + kW4PrefetchBlocks) * 256 + 64 * l));
-      if ((b & 1) == 0) prefetch(reinterpret_cast<const char*>(sg + (b + kW4PrefetchBlocks) * kGroup));
+      if ((b & 1) == 0) prefetch(reinterpret_cast<const char*>(cg + (b + kW4PrefetchBlocks) * 32));
     }
     __m256i t[R][H];
 #pragma GCC unroll 8
@@ -1262,16 +1275,13 @@ static inline void w4a8_group(const W4Args& a, int64_t m0, int64_t g) {
     }
     __m256 sc[H];
 #pragma GCC unroll 2
-    for (int h = 0; h < H; ++h) {
-      sc[h] = load_half8(sg + b * kGroup + 8 * h);
-    }
+    for (int h = 0; h < H; ++h) sc[h] = w4_unit8(cg, ug, b, 8 * h);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m256i nc = _mm256_set1_epi32(a.x.ncorr[(m0 + r) * a.x.ldb + b] / 16);
       const __m256 d = _mm256_set1_ps(a.x.d[(m0 + r) * a.x.ldb + b]);
 #pragma GCC unroll 2
       for (int h = 0; h < H; ++h) {
-        const __m256i t32 = _mm256_add_epi32(_mm256_madd_epi16(t[r][h], ones), nc);
+        const __m256i t32 = _mm256_madd_epi16(t[r][h], ones);
         acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t32), _mm256_mul_ps(d, sc[h]), acc[r][h]);
       }
     }
@@ -1279,15 +1289,15 @@ static inline void w4a8_group(const W4Args& a, int64_t m0, int64_t g) {
 #pragma GCC unroll 2
   for (int h = 0; h < H; ++h) {
     alignas(32) float out[8], c[R][8];
-    if (og) {
+    if (kInLoop) {
       for (int r = 0; r < R; ++r) _mm256_store_ps(c[r], oacc[r][h]);
-    } else if (a.off) {
+    } else {
       w4a8_offsets<R>(a, m0, g * kGroup + 8 * h, c);
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       _mm256_store_ps(out, acc[r][h]);
-      w4a8_store(a, m0 + r, g * kGroup + 8 * h, out, 8, a.off ? c[r] : nullptr);
+      w4a8_store(a, m0 + r, g * kGroup + 8 * h, out, 8, c[r]);
     }
   }
 }
@@ -1320,7 +1330,6 @@ static inline void w4a8_tile(const W4Args& a, int64_t m0, int64_t g0) {
     const float* dl = a.x.d + m * a.x.ldb;
     for (int c = 0; c < C; ++c) {
       const uint8_t* wg = a.group(g0 + c);
-      const uint16_t* sg = a.scales(g0 + c);
       float out[kGroup];
       for (int l = 0; l < kGroup; ++l) {
         float acc = 0.0f;
@@ -1329,9 +1338,9 @@ static inline void w4a8_tile(const W4Args& a, int64_t m0, int64_t g0) {
           for (int64_t k = b * kQBlock; k < (b + 1) * kQBlock; ++k) {
             const int64_t j = (k % kQBlock) / 8, i = k % 8;
             const uint8_t byte = wg[(b * 4 + j) * 64 + 4 * l + i % 4];
-            t += (int32_t(i < 4 ? byte & 0x0F : byte >> 4) - 8) * int32_t(q[k]);
+            t += int32_t(i < 4 ? byte & 0x0F : byte >> 4) * int32_t(q[k]);
           }
-          acc = std::fma(static_cast<float>(t), dl[b] * half_to_float(sg[b * kGroup + l]), acc);
+          acc = std::fma(static_cast<float>(t), dl[b] * w4_unit(a, g0 + c, b, l, 0), acc);
         }
         out[l] = acc;
       }
@@ -1355,14 +1364,13 @@ static void w4a8_rows(const W4Args& a, int64_t m0, int64_t g0, int64_t g1) {
 
 #if SPECDECODE_AMX
 // AMX for the 4-bit format: each block's nibbles are spread to bytes (quarter j's low nibbles are quad 2j of
-// the block, its high ones quad 2j + 1), which makes them a B tile; the sums, -8 * sum(q) and the epilogue
+// the block, its high ones quad 2j + 1), which makes them a B tile; the sums and the epilogue
 // fma(float(t_b), d_b * s[n, b], acc) are those of the VNNI path, so the output is bitwise the same.
 template <int R, int C>
 static inline void w4a8_amx_tile(const W4Args& a, int64_t m0, int64_t g0) {
   alignas(64) int32_t sums[C][kAmxRows][kGroup];
   alignas(64) uint8_t bytes[C][512];
   const int8_t* q = a.x.q + m0 * a.x.ldq;
-  const int32_t* nc = a.x.ncorr + m0 * a.x.ldb;
   const float* dl = a.x.d + m0 * a.x.ldb;
   const __m512i low = _mm512_set1_epi8(0x0F);
   const uint8_t* w[C];
@@ -1376,7 +1384,7 @@ static inline void w4a8_amx_tile(const W4Args& a, int64_t m0, int64_t g0) {
       const uint8_t* wg = a.group(g0 + c) + b * 256;
       if (kPrefetch) {
         for (int l = 0; l < 4; ++l) prefetch(reinterpret_cast<const char*>(wg) + kW4PrefetchBlocks * 256 + 64 * l);
-        if ((b & 1) == 0) prefetch(reinterpret_cast<const char*>(a.scales(g0 + c) + (b + kW4PrefetchBlocks) * kGroup));
+        if ((b & 1) == 0) prefetch(reinterpret_cast<const char*>(a.codes(g0 + c) + (b + kW4PrefetchBlocks) * 32));
       }
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
@@ -1384,16 +1392,15 @@ static inline void w4a8_amx_tile(const W4Args& a, int64_t m0, int64_t g0) {
         _mm512_store_si512(bytes[c] + 128 * j, _mm512_and_si512(v, low));
         _mm512_store_si512(bytes[c] + 128 * j + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
       }
-      sc[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.scales(g0 + c) + b * kGroup)));
+      sc[c] = w4_unit16(a.codes(g0 + c), a.units(g0 + c), b, 0);
     }
     amx_block_sums<C>(q + b * kQBlock, a.x.ldq, w, sums);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const __m512i n = _mm512_set1_epi32(nc[r * a.x.ldb + b] / 16);
       const __m512 d = _mm512_set1_ps(dl[r * a.x.ldb + b]);
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c)
-        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_load_si512(sums[c][r]), n)),
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[c][r])),
                                     _mm512_mul_ps(d, sc[c]), acc[r][c]);
     }
   }
@@ -1407,7 +1414,7 @@ struct W4Tiles {
 #endif
 
 static void w4a8_run(const W4Args& a, int64_t M) {
-  const int64_t group_bytes = a.Kp * kGroup / 2 + a.nblocks * kGroup * (a.off ? 4 : 2);
+  const int64_t group_bytes = a.Kp * kGroup / 2 + a.stride();
 #if SPECDECODE_AMX
   if (M >= kAmx4MinRows && amx_enabled()) {
     AmxRun<W4Args, W4Tiles>::run(a, M, group_bytes);
@@ -1426,13 +1433,13 @@ struct Lin {
   int64_t fmt;        // Fmt
   const void* w;
   int64_t ldw;        // row stride for fp32 / bf16 / int8 (>= round_up(K, 8)); Kp for w8a8 / w4a8
-  const void* scale;  // float32 [N] for int8 / w8a8, fp16 block scales for w4a8, else unused
+  const void* scale;  // float32 [N] for int8 / w8a8, w4a8's codes and units (see W4Args), else unused
   const float* bias;  // [N] or null
   int64_t K, N;
 };
 
 static const char* check_lin(const Lin& l) {
-  if (l.fmt < kF32 || l.fmt > kW4A8O || l.K < 0 || l.N < 0 || (l.N > 0 && l.w == nullptr)) return "bad weight";
+  if (l.fmt < kF32 || l.fmt > kW4A8 || l.K < 0 || l.N < 0 || (l.N > 0 && l.w == nullptr)) return "bad weight";
   if (l.fmt <= kI8 ? l.ldw < ((l.K + 7) / 8) * 8 : (l.ldw % kQBlock != 0 || l.ldw < l.K)) return "bad weight stride";
   if (l.fmt >= kI8 && l.scale == nullptr) return "missing scale";
   return nullptr;
@@ -1452,13 +1459,13 @@ static void linear(const Lin& l, const float* x, int64_t ldx, int64_t M, float* 
     a.y = y;
     a.ldy = ldy;
     with_quantized_x(x, ldx, l.K, l.ldw, M, [&](const QAct& q) { a.x = q; w8a8_run(a, M); });
-  } else if (l.fmt == kW4A8 || l.fmt == kW4A8O) {
+  } else if (l.fmt == kW4A8) {
     W4Args a;
     a.w = static_cast<const uint8_t*>(l.w);
-    a.s = static_cast<const uint16_t*>(l.scale);
+    a.sc = static_cast<const uint8_t*>(l.scale);
     a.Kp = l.ldw;
     a.nblocks = l.ldw / kQBlock;
-    a.off = l.fmt == kW4A8O ? a.s + (l.N + kGroup - 1) / kGroup * a.nblocks * kGroup : nullptr;
+    a.nsuper = (a.nblocks + 7) / 8;
     a.N = l.N;
     a.bias = l.bias;
     a.y = y;

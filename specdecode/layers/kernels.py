@@ -22,11 +22,12 @@ Weight formats (``pack_linear``):
     multiplied by activations that the kernel quantizes per row in blocks of 32 (``quantize_activations``),
     with exact integer dot products (AVX-512 VNNI or AVX2). Integer sums have no order, so row
     invariance is free, and a pass over several rows costs little more than over one.
-  * ``w4a8``: 4-bit weights, one fp16 scale and one fp16 offset per 32 weights of a channel
-    (``w = s * q - o``, q in -8..7; per block the best of a few symmetric (o = 0) and affine grids), with the
-    same quantized activations and integer dot products. An affine grid holds a GGUF Q4_K block as it is
-    stored (up to fp16 rounding of its scale and minimum), so a Q4_K_M checkpoint keeps its quality at about
-    half the bytes of w8a8; a format without any offset skips their epilogue.
+  * ``w4a8``: 4-bit weights in GGUF Q4_K's layout: ``w = s * u - o`` with u in 0..15 and, per block of 32
+    weights of a channel, ``s = D * cs`` and ``o = Dm * co`` (int8 codes ``cs``, ``co``; fp16 units ``D``, ``Dm``
+    shared by 8 blocks), 18.5 bytes per 32 weights, with the same quantized activations and integer dot
+    products. A Q4_K tensor is taken as stored (``pack_q4k``: its d, dmin, 6-bit scales and minimums), so a
+    Q4_K_M checkpoint keeps its exact weights at about half the bytes of w8a8; other weights get per block the
+    best of a few symmetric and affine grids (``_quantize_w4``).
 For fp32/bf16/int8, activations and accumulation are fp32.
 
 Non-CPU inputs (e.g. CUDA) use ``F.linear`` on a dequantized weight cached on that device; bitwise row
@@ -40,7 +41,7 @@ import logging
 import os
 import threading
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +50,6 @@ logger = logging.getLogger(__name__)
 
 FORMATS = ("fp32", "bf16", "int8", "w8a8", "w4a8")
 _FMT_CODE = {"fp32": 0, "bf16": 1, "int8": 2, "w8a8": 3, "w4a8": 4}
-_W4_OFFSETS_CODE = 5  # cpu_linear.cpp's kW4A8O: w4a8 whose scale tensor also holds block offsets
 _WEIGHT_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "w8a8": torch.uint8,
                  "w4a8": torch.uint8}
 _K_ALIGN = {"fp32": 8, "bf16": 8, "int8": 8, "w8a8": 32, "w4a8": 32}
@@ -57,6 +57,7 @@ QUANTIZED = ("int8", "w8a8", "w4a8")  # formats that replace the float weight (q
 INT_ACTS = ("w8a8", "w4a8")  # formats whose kernel also quantizes the activations (quantize_activations)
 W8A8_GROUP = 16  # channels per interleaved w8a8 weight group
 ACT_BLOCK = 32  # w8a8 activation quantization block (along K)
+W4_SUPER = 8  # w4a8 blocks of 32 that share one fp16 scale unit and one offset unit (Q4_K's 256 weights)
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_linear.cpp")
 
 # Set to True to force the pure-torch fallback (tests / debugging).
@@ -79,9 +80,9 @@ class PackedLinear:
 
     ``weight`` is ``[N, Kp]`` (Kp = K rounded up to a multiple of 8, zero padded) of dtype float32,
     bfloat16 or int8 depending on ``fmt``; for w8a8 it is uint8 ``[ceil(N / 16), Kp * 16]`` in the
-    interleaved layout (``_interleave``), for w4a8 uint8 ``[ceil(N / 16), Kp * 8]`` (``_w4_pack``). ``scale`` is
-    float32 ``[N]`` for int8 and w8a8; for w4a8 float16 ``[ceil(N / 16), Kp / 32 * 16]`` block scales, or
-    ``[2, ceil(N / 16), Kp / 32 * 16]`` block scales then block offsets; else None.
+    interleaved layout (``_interleave``), for w4a8 uint8 ``[ceil(N / 16), Kp * 8]`` (``_w4_layout``). ``scale`` is
+    float32 ``[N]`` for int8 and w8a8; for w4a8 uint8 ``[ceil(N / 16), _w4_scale_bytes(Kp)]``, each group's
+    block codes and then its fp16 units (``_w4_layout``); else None.
     A plain object (not an nn.Module) so that it never shows up in a model's state_dict.
     """
 
@@ -118,9 +119,8 @@ class PackedLinear:
             Kp = w.shape[1] // (W8A8_GROUP // 2) if w.ndim == 2 else 0
             if (w.dtype != torch.uint8 or w.ndim != 2 or not w.is_contiguous() or not w.is_cpu or w.shape[0] != G
                     or Kp < K or Kp % ACT_BLOCK or w.shape[1] != Kp * W8A8_GROUP // 2 or scale is None
-                    or scale.dtype != torch.float16 or not scale.is_contiguous() or not scale.is_cpu
-                    or tuple(scale.shape)[-2:] != (G, Kp // ACT_BLOCK * W8A8_GROUP)
-                    or scale.shape[:-2] not in ((), (2,))):
+                    or scale.dtype != torch.uint8 or not scale.is_contiguous() or not scale.is_cpu
+                    or tuple(scale.shape) != (G, _w4_scale_bytes(Kp))):
                 raise ValueError(f"w4a8_linear: malformed packed weight {tuple(w.shape)} {w.dtype} for {self!r}")
             stride = Kp
         elif (w.dtype != _WEIGHT_DTYPE[self.fmt] or w.ndim != 2 or w.shape[0] != N or w.stride(1) != 1
@@ -133,10 +133,9 @@ class PackedLinear:
                 raise ValueError("rowinv_linear: int8 weight needs a [N] scale")
             if scale.dtype != torch.float32 or not scale.is_cpu or not scale.is_contiguous():
                 scale = scale.to(device="cpu", dtype=torch.float32).contiguous()
-        elif self.fmt != "w4a8":  # w4a8's fp16 block scales were checked above
+        elif self.fmt != "w4a8":  # w4a8's codes and units were checked above
             scale = None
-        code = _W4_OFFSETS_CODE if self.fmt == "w4a8" and scale.ndim == 3 else _FMT_CODE[self.fmt]
-        args = (w.data_ptr(), stride, code, scale)
+        args = (w.data_ptr(), stride, _FMT_CODE[self.fmt], scale)
         self._checked = (key, args)
         return args
 
@@ -233,112 +232,175 @@ def _w8a8_rows(packed: PackedLinear, n0: int, n1: int) -> torch.Tensor:
     return rows[n0 - g0 * W8A8_GROUP:n1 - g0 * W8A8_GROUP]
 
 
-# Candidate grids per block of 32. Symmetric (offset 0): the block's largest-magnitude value v maps to -c (c
-# below), so q = -8 is used; smaller c clip less often, larger c round finer. Affine: the block's range split
-# into n steps from its minimum (q = -8), which is how GGUF's Q4_K stores a block (n = its largest q minus its
-# smallest). The candidate with the least squared error wins.
+# Candidate grids per block of 32 (w = s * u - o, u in 0..15). Symmetric (o = 8 s): the block's largest-magnitude
+# value v maps to u = 0, i.e. -8 s = v for s = -v / c (c below); smaller c clip less often, larger c round finer.
+# Affine: the block's range split into n steps from its minimum (u = 0), as GGUF's Q4_K stores a block. The
+# candidate with the least squared error wins; its scale and offset are then rounded to the codes.
 _W4_DIVISORS = (8.0, 7.75, 7.5, 7.25, 7.0, 6.75, 6.5, 6.0)
 _W4_SPANS = (15, 14, 13, 12, 11, 10)
+_W4_CODE_MAX = 127
 
 
-def _w4_search(blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q, scale, offset) of the candidate grid with the least squared error for each block of ``blk [B, 32]``;
-    scale and offset as the kernel sees them (fp16 values, in float32), shapes [B, 32], [B, 1], [B, 1]."""
+class W4Fields(NamedTuple):
+    """A w4a8 weight in logical form: ``w[n, k] = D[n, t] * cs[n, b] * u[n, k] - Dm[n, t] * co[n, b]`` with
+    b = k // 32 and t = b // 8. ``u`` uint8 [N, Kp] (0..15), ``cs``/``co`` int8 [N, Kp / 32], ``D``/``Dm``
+    float16 [N, ceil(Kp / 256)]."""
+    u: torch.Tensor
+    cs: torch.Tensor
+    co: torch.Tensor
+    D: torch.Tensor
+    Dm: torch.Tensor
+
+
+def _w4_scale_bytes(Kp: int) -> int:
+    """Bytes of one 16-channel group's codes (32 a block) and fp16 units (64 per 8 blocks)."""
+    nb = Kp // ACT_BLOCK
+    return nb * 32 + -(-nb // W4_SUPER) * 64
+
+
+def _w4_grids(blk: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The candidate grids (s, o), each float32 [B, 1], of each block of ``blk [B, 32]``."""
     v = blk.gather(1, blk.abs().argmax(dim=1, keepdim=True))  # signed extreme of each block
     lo, hi = blk.amin(dim=1, keepdim=True), blk.amax(dim=1, keepdim=True)
-    zero = torch.zeros_like(v)
-    grids = [((-v / c).half().float(), zero) for c in _W4_DIVISORS]
-    grids += [_affine(lo, hi, n) for n in _W4_SPANS]
-    best_err = best_q = best_s = best_o = None
-    for s, o in grids:  # the kernel multiplies by the fp16 scale and offset: quantize against them
-        qq = _on_grid(blk, s, o)
-        err = (qq * s - o - blk).pow_(2).sum(dim=1, keepdim=True)
+    return [(-v / c, -8.0 * v / c) for c in _W4_DIVISORS] + [((hi - lo) / n, -lo) for n in _W4_SPANS]
+
+
+def _w4_best(blk: torch.Tensor, grids: list[tuple[torch.Tensor, torch.Tensor]]
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(s, o, u) of the grid with the least squared error for each block of ``blk [B, 32]``."""
+    best_err = best_s = best_o = best_u = None
+    for s, o in grids:
+        u = _on_grid(blk, s, o)
+        err = (u * s - o - blk).pow_(2).sum(dim=1, keepdim=True)
         if best_err is None:
-            best_err, best_q, best_s, best_o = err, qq, s, o
+            best_err, best_s, best_o, best_u = err, s, o, u
         else:
             better = err < best_err
             best_err = torch.where(better, err, best_err)
-            best_q = torch.where(better, qq, best_q)
             best_s = torch.where(better, s, best_s)
             best_o = torch.where(better, o, best_o)
-    return best_q, best_s, best_o
-
-
-def _affine(lo: torch.Tensor, hi: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    s = ((hi - lo) / n).half().float()
-    return s, (-8.0 * s - lo).half().float()
+            best_u = torch.where(better, u, best_u)
+    return best_s, best_o, best_u
 
 
 def _on_grid(blk: torch.Tensor, s: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
     inv = torch.where(s != 0, 1.0 / s, torch.zeros_like(s))
-    return torch.round((blk + o) * inv).clamp_(-8, 7)
+    return torch.round((blk + o) * inv).clamp_(0, 15)
+
+
+def _w4_units(v: torch.Tensor) -> torch.Tensor:
+    """fp16 units [n, ceil(nb / 8)] for per-block values ``v [n, nb]``: the largest magnitude of each 8 blocks
+    over the largest code, so that every value of those blocks has a code."""
+    n, nb = v.shape
+    ns = -(-nb // W4_SUPER)
+    sup = F.pad(v, (0, ns * W4_SUPER - nb)).view(n, ns, W4_SUPER)
+    return (sup.abs().amax(dim=2) / _W4_CODE_MAX).clamp_(max=65504.0).half()
+
+
+def _w4_values(codes: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
+    """float32 ``unit * code`` per block (exact: 8 and 11 significant bits), ``[n, nb]``."""
+    return codes.float() * unit.float().repeat_interleave(W4_SUPER, dim=1)[:, :codes.shape[1]]
+
+
+def _w4_code_of(v: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
+    """The nearest int8 codes of per-block values ``v [n, nb]`` in their units."""
+    uf = _w4_values(torch.ones_like(v, dtype=torch.int8), unit)
+    return torch.where(uf != 0, torch.round(v / torch.where(uf != 0, uf, torch.ones_like(uf))),
+                       torch.zeros_like(v)).clamp_(-_W4_CODE_MAX, _W4_CODE_MAX).to(torch.int8)
+
+
+def _w4_round(v: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
+    """Per-block values ``v [n * nb, 1]`` rounded to their nearest codes' values."""
+    return _w4_values(_w4_code_of(v.view(unit.shape[0], -1), unit), unit).view(-1, 1)
 
 
 def _quantize_w4(w: torch.Tensor) -> PackedLinear:
     N, K = w.shape
     Kp = _round_up(K, ACT_BLOCK)
     nb = Kp // ACT_BLOCK
-    q = torch.zeros(N, Kp, dtype=torch.int8, device=w.device)
-    sc = torch.zeros(N, nb, dtype=torch.float16, device=w.device)
-    off = torch.zeros(N, nb, dtype=torch.float16, device=w.device)
-    step = max(1, (1 << 20) // Kp)
+    parts: list[W4Fields] = []
+    step = max(W8A8_GROUP, (1 << 20) // Kp)
     for n0 in range(0, N, step):
-        blk = F.pad(w[n0:n0 + step].float(), (0, Kp - K)).view(-1, ACT_BLOCK)
-        # Blocks that already lie on a 15-step affine grid (a Q4_K block spanning all 16 levels, most of them in
-        # a Q4_K checkpoint) keep it: up to the fp16 rounding of its scale and offset nothing fits better, and the
-        # full search is only run for the rest.
-        s, o = _affine(blk.amin(dim=1, keepdim=True), blk.amax(dim=1, keepdim=True), _W4_SPANS[0])
-        qq = _on_grid(blk, s, o)
-        fit = ((qq * s - o - blk).abs() <= 0.01 * s + 2.0 ** -10 * o.abs()).all(dim=1)
-        rest = (~fit).nonzero().squeeze(1)
-        if len(rest):
-            qq[rest], s[rest], o[rest] = _w4_search(blk[rest])
-        q[n0:n0 + step] = qq.view(-1, Kp).to(torch.int8)
-        sc[n0:n0 + step] = s.view(-1, nb).half()
-        off[n0:n0 + step] = o.view(-1, nb).half()
-    return _w4_pack(q, sc, off, K)
+        x = F.pad(w[n0:n0 + step].float(), (0, Kp - K))
+        n = x.shape[0]
+        blk = x.view(n * nb, ACT_BLOCK)
+        grids = _w4_grids(blk)
+        s, o, _ = _w4_best(blk, grids)
+        D, Dm = _w4_units(s.view(n, nb)), _w4_units(o.view(n, nb))  # from each block's best grid
+        # Every candidate again, its scale and offset rounded to codes of those units, as the kernel will
+        # multiply them: the best wins.
+        s, o, u = _w4_best(blk, [(_w4_round(gs, D), _w4_round(go, Dm)) for gs, go in grids])
+        cs, co = _w4_code_of(s.view(n, nb), D), _w4_code_of(o.view(n, nb), Dm)
+        parts.append(W4Fields(u.view(n, Kp).to(torch.uint8), cs, co, D, Dm))
+    return _w4_pack(W4Fields(*(torch.cat(t) for t in zip(*parts))), K)
 
 
-def _w4_pack(q: torch.Tensor, sc: torch.Tensor, off: torch.Tensor | None, K: int) -> PackedLinear:
-    """int8 ``q [N, Kp]`` (-8..7), fp16 ``sc [N, Kp / 32]`` and fp16 offsets of the same shape (or None: all
-    0) -> the kernel's w4a8 layout: per group of 16 channels and quarter of 8 K values, 64 bytes; lane l's byte i
-    holds q+8 of k0+i (low nibble) and of k0+4+i (high nibble). Padding channels are 0 with scale 0. Offsets that
-    are all 0 are left out (the format without them, whose kernel skips their epilogue)."""
-    N, Kp = q.shape
-    u = (q.to(torch.int16) + 8).to(torch.uint8).view(N, Kp // ACT_BLOCK, 4, 2, 4)  # [n, block, quarter, nibble, byte]
-    return _w4_layout(u[:, :, :, 0] | (u[:, :, :, 1] << 4), sc, off, K)
+def q4k_fields(blocks: torch.Tensor, K: int) -> W4Fields:
+    """A GGUF Q4_K tensor as stored (uint8 ``[N, K / 256 * 144]``, ``GGUFModel.raw_rows``) -> its w4a8 fields,
+    which hold exactly the weights llama.cpp dequantizes: d and dmin become the units, the 6-bit scales and
+    minimums the codes, the 4-bit values u."""
+    from gguf.quants import Q4_K
+
+    N = blocks.shape[0]
+    nsb = K // 256
+    b = blocks.reshape(N * nsb, 144).numpy()
+    sc, mins = Q4_K.get_scale_min(b[:, 4:16])
+    qs = torch.from_numpy(b[:, 16:].copy()).view(N * nsb, 4, 1, 32)
+    u = (qs >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)) & 0x0F  # [sb, chunk, nibble, 32]
+    unit = lambda lo: torch.from_numpy(b[:, lo:lo + 2].copy()).view(torch.float16).view(N, nsb)  # noqa: E731
+    codes = lambda c: torch.from_numpy(c.astype("int8")).view(N, nsb * 8)  # noqa: E731
+    return W4Fields(u.reshape(N, K).contiguous(), codes(sc), codes(mins), unit(0), unit(2))
 
 
-def _w4_layout(byte: torch.Tensor, sc: torch.Tensor, off: torch.Tensor | None, K: int) -> PackedLinear:
-    """Each channel's bytes ``[N, block, quarter, byte]`` (two of its nibbles per byte), scales and offsets ->
-    the kernel's layout (see ``_w4_pack``): channels padded to groups of 16 and interleaved per quarter."""
+def pack_q4k(blocks: torch.Tensor, K: int) -> PackedLinear:
+    """``pack_linear(dequantized Q4_K weight, "w4a8")`` without the search: the Q4_K blocks as stored."""
+    if K % 256:
+        raise ValueError(f"pack_q4k: a Q4_K row holds a multiple of 256 weights, got {K}")
+    return _w4_pack(q4k_fields(blocks, K), K)
+
+
+def _w4_pack(f: W4Fields, K: int) -> PackedLinear:
+    """Logical fields -> the kernel's w4a8 layout: per group of 16 channels and quarter of 8 K values, 64 bytes;
+    lane l's byte i holds u of k0+i (low nibble) and of k0+4+i (high nibble)."""
+    N, Kp = f.u.shape
+    u = f.u.view(N, Kp // ACT_BLOCK, 4, 2, 4)  # [n, block, quarter, nibble, byte]
+    return _w4_layout(u[:, :, :, 0] | (u[:, :, :, 1] << 4), f.cs, f.co, f.D, f.Dm, K)
+
+
+def _w4_layout(byte: torch.Tensor, cs: torch.Tensor, co: torch.Tensor, D: torch.Tensor, Dm: torch.Tensor,
+               K: int) -> PackedLinear:
+    """Each channel's bytes ``[N, block, quarter, byte]`` (two of its nibbles per byte), codes and units -> the
+    kernel's layout: channels padded to groups of 16 (weight 0) and interleaved per quarter; per group the
+    codes of each block (cs of the 16 lanes, then co) and then the units of each 8 blocks (D, then Dm)."""
     N, nb = byte.shape[:2]
+    ns = D.shape[1]
     G = -(-N // W8A8_GROUP)
-    padded = torch.full((G * W8A8_GROUP, nb, 4, 4), 0x88, dtype=torch.uint8, device=byte.device)  # q = 0
+    padded = torch.zeros((G * W8A8_GROUP, nb, 4, 4), dtype=torch.uint8, device=byte.device)
     padded[:N] = byte
     weight = padded.view(G, W8A8_GROUP, nb, 4, 4).permute(0, 2, 3, 1, 4).contiguous().view(G, nb * 256)
 
-    def by_group(t: torch.Tensor) -> torch.Tensor:  # [N, nb] -> [G, nb * 16], channels innermost
-        out = torch.zeros(G * W8A8_GROUP, nb, dtype=torch.float16, device=byte.device)
-        out[:N] = t
-        return out.view(G, W8A8_GROUP, nb).permute(0, 2, 1).contiguous().view(G, nb * W8A8_GROUP)
+    def by_group(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # two [N, m] -> [G, m, 2, 16] as bytes
+        out = torch.zeros(2, G * W8A8_GROUP, a.shape[1], dtype=a.dtype, device=byte.device)
+        out[0, :N], out[1, :N] = a, b
+        return out.view(2, G, W8A8_GROUP, -1).permute(1, 3, 0, 2).contiguous().view(G, -1).view(torch.uint8)
 
-    scale = by_group(sc) if off is None or not bool(off.any()) else torch.stack([by_group(sc), by_group(off)])
+    scale = torch.cat([by_group(cs, co), by_group(D, Dm)], dim=1)
+    assert scale.shape[1] == _w4_scale_bytes(nb * ACT_BLOCK) and ns == -(-nb // W4_SUPER)
     return PackedLinear("w4a8", weight, scale, K, N)
 
 
-def _w4_rows(packed: PackedLinear, rows: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The bytes ``[n, block, quarter, byte]``, scales and offsets (or None) of just the channels ``rows`` (in
-    that order), touching only their bytes: a draft head picks rows out of a 150k-row weight at run time."""
+def _w4_rows(packed: PackedLinear, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The bytes ``[n, block, quarter, byte]``, codes and units of just the channels ``rows`` (in that order),
+    touching only their bytes: a draft head picks rows out of a 150k-row weight at run time."""
     rows = rows.to(packed.weight.device)
     G = packed.weight.shape[0]
     nb = packed.weight.shape[1] * 2 // W8A8_GROUP // ACT_BLOCK
+    ns = -(-nb // W4_SUPER)
     g, lane = rows // W8A8_GROUP, rows % W8A8_GROUP
     byte = packed.weight.view(G, nb, 4, W8A8_GROUP, 4)[g, :, :, lane, :]
-    tables = packed.scale if packed.scale.ndim == 3 else packed.scale[None]
-    s, *o = (t.view(G, nb, W8A8_GROUP)[g, :, lane] for t in tables)
-    return byte, s, (o[0] if o else None)
+    codes = packed.scale[:, :nb * 32].view(torch.int8).view(G, nb, 2, W8A8_GROUP)[g, :, :, lane]  # [n, nb, 2]
+    units = packed.scale[:, nb * 32:].contiguous().view(torch.float16).view(G, ns, 2, W8A8_GROUP)[g, :, :, lane]
+    return byte, codes[:, :, 0], codes[:, :, 1], units[:, :, 0], units[:, :, 1]
 
 
 def _w4_select_rows(packed: PackedLinear, rows: torch.Tensor) -> PackedLinear:
@@ -347,20 +409,17 @@ def _w4_select_rows(packed: PackedLinear, rows: torch.Tensor) -> PackedLinear:
     return _w4_layout(*_w4_rows(packed, rows), packed.in_features)
 
 
-def _w4_unpack(packed: PackedLinear, n0: int = 0, n1: int | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Logical ``q [n1 - n0, Kp]`` (int8, -8..7), fp16 scales ``[n1 - n0, Kp / 32]`` and offsets (or None) of a
-    w4a8 weight."""
+def _w4_unpack(packed: PackedLinear, n0: int = 0, n1: int | None = None) -> W4Fields:
+    """The logical fields of channels [n0, n1) of a w4a8 weight."""
     n1 = packed.out_features if n1 is None else min(n1, packed.out_features)
     return _w4_unpack_rows(packed, torch.arange(n0, n1))
 
 
-def _w4_unpack_rows(packed: PackedLinear, rows: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Logical ``q``, scales and offsets of just the channels ``rows`` (in that order)."""
-    byte, s, off = _w4_rows(packed, rows)
+def _w4_unpack_rows(packed: PackedLinear, rows: torch.Tensor) -> W4Fields:
+    """The logical fields of just the channels ``rows`` (in that order)."""
+    byte, cs, co, D, Dm = _w4_rows(packed, rows)
     u = torch.stack([byte & 0x0F, byte >> 4], dim=3)  # [n, block, quarter, nibble, byte]
-    return u.reshape(len(byte), -1).to(torch.int8) - 8, s, off
+    return W4Fields(u.reshape(len(byte), -1), cs, co, D, Dm)
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
@@ -384,12 +443,11 @@ def dequantize(packed: PackedLinear) -> torch.Tensor:
 def _dequantize_rows(packed: PackedLinear, n0: int, n1: int) -> torch.Tensor:
     """float32 weight rows [n0, n1) (a view for fp32, a new tensor otherwise)."""
     if packed.fmt == "w4a8":
-        q, sc, off = _w4_unpack(packed, n0, n1)
-        w = q.float().view(q.shape[0], -1, ACT_BLOCK) * sc.float()[:, :, None]
-        if off is not None:
-            w = w - off.float()[:, :, None]
-        w = w.view(q.shape[0], -1)
-        return w[:, :packed.in_features]
+        f = _w4_unpack(packed, n0, n1)
+        n = f.u.shape[0]
+        w = (f.u.float().view(n, -1, ACT_BLOCK) * _w4_values(f.cs, f.D)[:, :, None]
+             - _w4_values(f.co, f.Dm)[:, :, None])
+        return w.view(n, -1)[:, :packed.in_features]
     if packed.fmt == "w8a8":
         n1 = min(n1, packed.out_features)
         w = _w8a8_rows(packed, n0, n1)[:, :packed.in_features].to(torch.int16) - 128

@@ -46,25 +46,17 @@ def pack_in_chunks(weight: torch.Tensor, fmt: str, rows: int = PACK_ROWS) -> ker
         raise ValueError(f"pack_in_chunks: rows must be a multiple of {kernels.W8A8_GROUP}")
     grouped = fmt in kernels.INT_ACTS  # leading dim counts 16-channel groups, not channels
     unit = kernels.W8A8_GROUP if grouped else 1
+    s_unit = unit if fmt == "w4a8" else 1  # w4a8's codes and units are per group too; other scales per channel
     weight_out = scale_out = None
     for n0 in range(0, N, rows):
         part = kernels.pack_linear(weight[n0:n0 + rows], fmt)
-        scale = part.scale
-        if fmt == "w4a8":  # [2, groups, ...]: block scales, then block offsets (zero where a part has none)
-            scale = scale if scale.ndim == 3 else torch.stack([scale, torch.zeros_like(scale)])
         if weight_out is None:
             weight_out = part.weight.new_empty((-(-N // unit), *part.weight.shape[1:]))
-            if fmt == "w4a8":
-                scale_out = scale.new_empty((2, -(-N // unit), scale.shape[2]))
-            elif scale is not None:
-                scale_out = scale.new_empty((N, *scale.shape[1:]))
+            if part.scale is not None:
+                scale_out = part.scale.new_empty((-(-N // s_unit), *part.scale.shape[1:]))
         weight_out[n0 // unit:n0 // unit + part.weight.shape[0]] = part.weight
-        if fmt == "w4a8":
-            scale_out[:, n0 // unit:n0 // unit + scale.shape[1]] = scale
-        elif scale_out is not None:
-            scale_out[n0:n0 + scale.shape[0]] = scale
-    if fmt == "w4a8" and not bool(scale_out[1].any()):
-        scale_out = scale_out[0].clone()  # no block has an offset: the format without them, as pack_linear gives
+        if scale_out is not None:
+            scale_out[n0 // s_unit:n0 // s_unit + part.scale.shape[0]] = part.scale
     return kernels.PackedLinear(fmt, weight_out, scale_out, K, N)
 
 
@@ -110,7 +102,12 @@ class Linear(nn.Module):
         fmt = quantization if quantization in kernels.QUANTIZED else {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(
             self.weight.dtype, "fp32")
         w = self.weight.data if fmt != "fp32" or self.weight.dtype == torch.float32 else self.weight.data.float()
-        self.packed = kernels.pack_linear(w, fmt) if fmt == "fp32" else pack_in_chunks(w, fmt)
+        self.set_packed(kernels.pack_linear(w, fmt) if fmt == "fp32" else pack_in_chunks(w, fmt))
+
+    def set_packed(self, packed: kernels.PackedLinear) -> None:
+        """Use ``packed`` (this linear's weight, already in a kernel format) for the CPU kernel."""
+        fmt = packed.fmt
+        self.packed = packed
         if self.bias is not None:
             self.bias.data = self.bias.data.float()
         if fmt != "fp32":

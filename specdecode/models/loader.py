@@ -332,6 +332,7 @@ def _convert(path: Path, dtype: str, device: str, max_model_len: int | None, qua
     packed_embedding = dev.type == "cpu" and (quantization in kernels.QUANTIZED or quantization == MIXED)
     # "mixed": the linears whose checkpoint tensors are all 4-bit (these names) get w4a8, the others w8a8
     four_bit: set[str] = set()
+    q4k: dict[str, kernels.W4Fields] = {}  # linear weights held as their stored Q4_K blocks (w4a8)
     mapped = _mapped_names(fam, names)
     embed_sources = {n for n, ours in mapped.items() if "embed_tokens.weight" in ours} if packed_embedding else set()
     tied = not any("lm_head.weight" in ours for ours in mapped.values())
@@ -375,12 +376,17 @@ def _convert(path: Path, dtype: str, device: str, max_model_len: int | None, qua
                     _pack_head(model, t, _format_of("lm_head", quantization, four_bit))
                     continue
                 loaded[ours] = t
+                if (is_gguf and dev.type == "cpu" and quantization in ("w4a8", MIXED) and ours in linear_weights
+                        and len(mapped[name]) == 1 and gguf.tensor_type(name) == "Q4_K"):
+                    fields = _q4k_fields(gguf, name, t)
+                    if fields is not None:
+                        q4k[ours] = fields
                 i = layer_of.get(ours)
                 if i is not None and i in pending:
                     pending[i].discard(ours)
                     if not pending[i]:
                         del pending[i]
-                        _finish_layer(model, i, loaded, quantization, four_bit)
+                        _finish_layer(model, i, loaded, quantization, four_bit, q4k)
             bar.update(1)
     if is_gguf:
         gguf.close()
@@ -412,28 +418,54 @@ MIXED = "mixed"
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
+def _parts(module: str) -> list[str]:
+    """The weights linear ``module`` (our name) is made of: its own, or its parts' where it fuses several."""
+    prefix, _, last = module.rpartition(".")
+    return [f"{prefix}.{p}.weight" if prefix else f"{p}.weight" for p in _FUSED.get(last, (last,))]
+
+
 def _format_of(module: str, quantization: str | None, four_bit: set[str], source: str | None = None) -> str | None:
     """The weight format of linear ``module`` (our name; a fused one stands for its parts): ``quantization``, or
     under "mixed" w4a8 where every part's checkpoint tensor (``source``, else the module's weight) is 4-bit."""
     if quantization != MIXED:
         return quantization
-    prefix, _, last = module.rpartition(".")
-    parts = [source] if source else [f"{prefix}.{p}.weight" if prefix else f"{p}.weight"
-                                     for p in _FUSED.get(last, (last,))]
+    parts = [source] if source else _parts(module)
     return "w4a8" if all(p in four_bit for p in parts) else "w8a8"
 
 
+def _q4k_fields(gguf, name: str, t: torch.Tensor) -> "kernels.W4Fields | None":
+    """The stored Q4_K blocks of checkpoint tensor ``name`` as w4a8 fields, if they are exactly ``t`` (our
+    tensor: a name mapping may reorder rows): a w4a8 linear then holds the file's weights, not a re-fit."""
+    try:
+        kind, blocks = gguf.raw_rows(name)
+    except ValueError:  # not a plain 2-D table
+        return None
+    if kind != "Q4_K" or t.dim() != 2 or t.shape[1] % 256 or blocks.shape[0] != t.shape[0]:
+        return None
+    fields = kernels.q4k_fields(blocks, t.shape[1])
+    packed = kernels._w4_pack(fields, t.shape[1])
+    return fields if torch.equal(kernels.dequantize(packed), t.float()) else None
+
+
 def _finish_layer(model: CausalLM, i: int, loaded: dict[str, torch.Tensor], quantization: str | None,
-                  four_bit: set[str] = frozenset()) -> None:
-    """Assign layer i's tensors (taken out of ``loaded``), fuse its projections and pack its linears."""
+                  four_bit: set[str] = frozenset(), q4k: dict | None = None) -> None:
+    """Assign layer i's tensors (taken out of ``loaded``), fuse its projections and pack its linears (w4a8 ones
+    whose weights are all stored Q4_K blocks, ``q4k``, from those blocks as they are)."""
     prefix = f"layers.{i}."
     state = {n[len(prefix):]: loaded.pop(n) for n in [n for n in loaded if n.startswith(prefix)]}
     layer = model.layers[i]
     layer.load_state_dict(state, strict=True, assign=True)
     layer.fuse_projections()
+    q4k = {} if q4k is None else q4k
     for name, m in layer.named_modules():
         if isinstance(m, Linear):
-            m.prepare(_format_of(f"{prefix}{name}", quantization, four_bit))
+            fmt = _format_of(f"{prefix}{name}", quantization, four_bit)
+            parts = _parts(f"{prefix}{name}")
+            if fmt == "w4a8" and m.weight.device.type == "cpu" and all(p in q4k for p in parts):
+                fields = [q4k.pop(p) for p in parts]
+                m.set_packed(kernels._w4_pack(kernels.W4Fields(*(torch.cat(t) for t in zip(*fields))), m.in_features))
+            else:
+                m.prepare(fmt)
 
 
 def resolve_dtype(dtype: str, config: dict, device: str) -> torch.dtype:
