@@ -364,13 +364,13 @@ def test_w4a8_select_rows_and_layout_round_trip():
     f = kernels._w4_unpack(p)
     assert f.u.shape == (70, 128) and f.cs.shape == f.co.shape == (70, 4) and f.D.shape == f.Dm.shape == (70, 1)
     assert int(f.u.min()) >= 0 and int(f.u.max()) <= 15 and bool((f.co != 0).any())
-    again = kernels._w4_pack(f, 100)
+    again = kernels.pack_w4(f, 100)
     assert torch.equal(again.weight, p.weight) and torch.equal(again.scale, p.scale)
     rows = torch.tensor([69, 0, 17, 16, 33])
     sub = p.select_rows(rows)
     # Rows are cut byte for byte: the same layout as unpacking them and packing again.
     for cut in (rows, torch.arange(70).flip(0), torch.tensor([3])):
-        ref = kernels._w4_pack(kernels._w4_unpack_rows(p, cut), 100)
+        ref = kernels.pack_w4(kernels._w4_unpack_rows(p, cut), 100)
         got = p.select_rows(cut)
         assert torch.equal(got.weight, ref.weight) and torch.equal(got.scale, ref.scale), cut
         assert got.out_features == ref.out_features == len(cut)

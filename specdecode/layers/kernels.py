@@ -251,6 +251,11 @@ class W4Fields(NamedTuple):
     D: torch.Tensor
     Dm: torch.Tensor
 
+    @staticmethod
+    def cat(parts: list["W4Fields"]) -> "W4Fields":
+        """The channels of several weights with the same K, one after another."""
+        return W4Fields(*(torch.cat(t) for t in zip(*parts)))
+
 
 def _w4_scale_bytes(Kp: int) -> int:
     """Bytes of one 16-channel group's codes (32 a block) and fp16 units (64 per 8 blocks)."""
@@ -332,7 +337,7 @@ def _quantize_w4(w: torch.Tensor) -> PackedLinear:
         s, o, u = _w4_best(blk, [(_w4_round(gs, D), _w4_round(go, Dm)) for gs, go in grids])
         cs, co = _w4_code_of(s.view(n, nb), D), _w4_code_of(o.view(n, nb), Dm)
         parts.append(W4Fields(u.view(n, Kp).to(torch.uint8), cs, co, D, Dm))
-    return _w4_pack(W4Fields(*(torch.cat(t) for t in zip(*parts))), K)
+    return pack_w4(W4Fields.cat(parts), K)
 
 
 def q4k_fields(blocks: torch.Tensor, K: int) -> W4Fields:
@@ -356,10 +361,10 @@ def pack_q4k(blocks: torch.Tensor, K: int) -> PackedLinear:
     """``pack_linear(dequantized Q4_K weight, "w4a8")`` without the search: the Q4_K blocks as stored."""
     if K % 256:
         raise ValueError(f"pack_q4k: a Q4_K row holds a multiple of 256 weights, got {K}")
-    return _w4_pack(q4k_fields(blocks, K), K)
+    return pack_w4(q4k_fields(blocks, K), K)
 
 
-def _w4_pack(f: W4Fields, K: int) -> PackedLinear:
+def pack_w4(f: W4Fields, K: int) -> PackedLinear:
     """Logical fields -> the kernel's w4a8 layout: per group of 16 channels and quarter of 8 K values, 64 bytes;
     lane l's byte i holds u of k0+i (low nibble) and of k0+4+i (high nibble)."""
     N, Kp = f.u.shape
@@ -409,6 +414,14 @@ def _w4_select_rows(packed: PackedLinear, rows: torch.Tensor) -> PackedLinear:
     return _w4_layout(*_w4_rows(packed, rows), packed.in_features)
 
 
+def w4_weights(f: W4Fields, K: int) -> torch.Tensor:
+    """float32 ``[N, K]``: the weights the kernel multiplies with, ``s * u - o`` (one rounding, as gguf-py's
+    Q4_K dequantization)."""
+    n = f.u.shape[0]
+    w = f.u.float().view(n, -1, ACT_BLOCK) * _w4_values(f.cs, f.D)[:, :, None] - _w4_values(f.co, f.Dm)[:, :, None]
+    return w.view(n, -1)[:, :K]
+
+
 def _w4_unpack(packed: PackedLinear, n0: int = 0, n1: int | None = None) -> W4Fields:
     """The logical fields of channels [n0, n1) of a w4a8 weight."""
     n1 = packed.out_features if n1 is None else min(n1, packed.out_features)
@@ -443,11 +456,7 @@ def dequantize(packed: PackedLinear) -> torch.Tensor:
 def _dequantize_rows(packed: PackedLinear, n0: int, n1: int) -> torch.Tensor:
     """float32 weight rows [n0, n1) (a view for fp32, a new tensor otherwise)."""
     if packed.fmt == "w4a8":
-        f = _w4_unpack(packed, n0, n1)
-        n = f.u.shape[0]
-        w = (f.u.float().view(n, -1, ACT_BLOCK) * _w4_values(f.cs, f.D)[:, :, None]
-             - _w4_values(f.co, f.Dm)[:, :, None])
-        return w.view(n, -1)[:, :packed.in_features]
+        return w4_weights(_w4_unpack(packed, n0, n1), packed.in_features)
     if packed.fmt == "w8a8":
         n1 = min(n1, packed.out_features)
         w = _w8a8_rows(packed, n0, n1)[:, :packed.in_features].to(torch.int16) - 128

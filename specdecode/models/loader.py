@@ -443,8 +443,7 @@ def _q4k_fields(gguf, name: str, t: torch.Tensor) -> "kernels.W4Fields | None":
     if kind != "Q4_K" or t.dim() != 2 or t.shape[1] % 256 or blocks.shape[0] != t.shape[0]:
         return None
     fields = kernels.q4k_fields(blocks, t.shape[1])
-    packed = kernels._w4_pack(fields, t.shape[1])
-    return fields if torch.equal(kernels.dequantize(packed), t.float()) else None
+    return fields if torch.equal(kernels.w4_weights(fields, t.shape[1]), t.float()) else None
 
 
 def _finish_layer(model: CausalLM, i: int, loaded: dict[str, torch.Tensor], quantization: str | None,
@@ -463,7 +462,7 @@ def _finish_layer(model: CausalLM, i: int, loaded: dict[str, torch.Tensor], quan
             parts = _parts(f"{prefix}{name}")
             if fmt == "w4a8" and m.weight.device.type == "cpu" and all(p in q4k for p in parts):
                 fields = [q4k.pop(p) for p in parts]
-                m.set_packed(kernels._w4_pack(kernels.W4Fields(*(torch.cat(t) for t in zip(*fields))), m.in_features))
+                m.set_packed(kernels.pack_w4(kernels.W4Fields.cat(fields), m.in_features))
             else:
                 m.prepare(fmt)
 
