@@ -69,7 +69,9 @@ static inline void prefetch(const char* p) { __builtin_prefetch(p, 0, SPECDECODE
 // and L1's own prefetcher pulls each line the last short step (see docs/benchmarks.md, session 22).
 static inline void prefetch_l2(const char* p) { __builtin_prefetch(p, 0, 2); }
 constexpr int64_t kW8PrefetchL2Blocks = 8;   // 512-byte blocks of one group's int8 weights
-constexpr int64_t kW4PrefetchL2Blocks = 128;  // 256-byte blocks of one group's 4-bit weights (32 KB ahead: docs/benchmarks.md, session 26)
+// 256-byte blocks of one group's 4-bit weights: 32 KB ahead, which keeps more lines in flight than 8 KB did
+// (docs/benchmarks.md, session 26).
+constexpr int64_t kW4PrefetchL2Blocks = 128;
 
 #if defined(__GNUC__)
 #define SPECDECODE_ALWAYS_INLINE __attribute__((always_inline))
