@@ -302,14 +302,19 @@ def _w4_units(v: torch.Tensor) -> torch.Tensor:
     return (sup.abs().amax(dim=2) / _W4_CODE_MAX).clamp_(max=65504.0).half()
 
 
+def _w4_per_block(unit: torch.Tensor, nb: int) -> torch.Tensor:
+    """float32 units ``[n, nb]``: each block's unit (8 blocks share one)."""
+    return unit.float().repeat_interleave(W4_SUPER, dim=1)[:, :nb]
+
+
 def _w4_values(codes: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
     """float32 ``unit * code`` per block (exact: 8 and 11 significant bits), ``[n, nb]``."""
-    return codes.float() * unit.float().repeat_interleave(W4_SUPER, dim=1)[:, :codes.shape[1]]
+    return codes.float() * _w4_per_block(unit, codes.shape[1])
 
 
 def _w4_code_of(v: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
     """The nearest int8 codes of per-block values ``v [n, nb]`` in their units."""
-    uf = _w4_values(torch.ones_like(v, dtype=torch.int8), unit)
+    uf = _w4_per_block(unit, v.shape[1])
     return torch.where(uf != 0, torch.round(v / torch.where(uf != 0, uf, torch.ones_like(uf))),
                        torch.zeros_like(v)).clamp_(-_W4_CODE_MAX, _W4_CODE_MAX).to(torch.int8)
 
@@ -378,7 +383,6 @@ def _w4_layout(byte: torch.Tensor, cs: torch.Tensor, co: torch.Tensor, D: torch.
     kernel's layout: channels padded to groups of 16 (weight 0) and interleaved per quarter; per group the
     codes of each block (cs of the 16 lanes, then co) and then the units of each 8 blocks (D, then Dm)."""
     N, nb = byte.shape[:2]
-    ns = D.shape[1]
     G = -(-N // W8A8_GROUP)
     padded = torch.zeros((G * W8A8_GROUP, nb, 4, 4), dtype=torch.uint8, device=byte.device)
     padded[:N] = byte
@@ -390,7 +394,6 @@ def _w4_layout(byte: torch.Tensor, cs: torch.Tensor, co: torch.Tensor, D: torch.
         return out.view(2, G, W8A8_GROUP, -1).permute(1, 3, 0, 2).contiguous().view(G, -1).view(torch.uint8)
 
     scale = torch.cat([by_group(cs, co), by_group(D, Dm)], dim=1)
-    assert scale.shape[1] == _w4_scale_bytes(nb * ACT_BLOCK) and ns == -(-nb // W4_SUPER)
     return PackedLinear("w4a8", weight, scale, K, N)
 
 
