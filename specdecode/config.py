@@ -287,7 +287,7 @@ class EngineConfig:
     dtype: str = "auto"
     # "auto": the preset's integer formats on CPU for checkpoints large enough to gain from them, full
     # precision otherwise; None or "none": full precision; "int8": per-channel int8 weight-only; "w8a8", "w4a8",
-    # "mixed" (w4a8 for a GGUF's 4-bit tensors, w8a8 for the rest).
+    # "mixed" (w4a8 for a GGUF's 4-bit tensors, its Q6_K blocks as stored for Q6_K ones, w8a8 for the rest).
     quantization: str | None = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 8
@@ -307,8 +307,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}.")
         if self.quantization not in (None,) + QUANTIZATIONS:
             raise ValueError(f"quantization must be 'auto', 'none', 'int8' (int8 weights), 'w8a8' (int8 weights and "
-                             f"activations), 'w4a8' (4-bit weights, int8 activations) or 'mixed' (w4a8 where the "
-                             f"checkpoint stores 4-bit weights, w8a8 elsewhere), got {self.quantization!r}.")
+                             f"activations), 'w4a8' (4-bit weights, int8 activations) or 'mixed' (the formats that hold "
+                             f"a GGUF's Q4_K and Q6_K tensors as stored, w8a8 elsewhere), got {self.quantization!r}.")
         if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}.")
         if not _is_int(self.max_num_seqs) or self.max_num_seqs < 1:

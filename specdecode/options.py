@@ -151,7 +151,7 @@ class Option:
 _Q_HELP = ("auto (default): on CPU 'mixed' for the target and 4-bit weights (w4a8) for the draft, full precision "
            "on a GPU or when --dtype is given; none: full precision; int8: int8 weights, float activations; w8a8: "
            "int8 weights and activations; w4a8: 4-bit weights, int8 activations; mixed: w4a8 for the weights a GGUF "
-           "stores in 4 bits (Q4_K, Q4_0, ...), w8a8 for the rest")
+           "stores in 4 bits (Q4_K, Q4_0, ...), 6-bit weights for its Q6_K ones (as stored), w8a8 for the rest")
 
 OPTIONS: tuple[Option, ...] = (
     # ---- models

@@ -2,7 +2,8 @@
 when no option says otherwise. Change the defaults here and nowhere else.
 
 ``FAST`` is the fastest configuration measured on CPU (docs/benchmarks.md has the runs behind it): a target whose
-4-bit GGUF tensors stay 4-bit (w4a8, Q4_K blocks as stored) and whose wider ones are int8 (w8a8) ("mixed"), a
+4-bit GGUF tensors stay 4-bit (w4a8, Q4_K blocks as stored), whose Q6_K ones stay 6-bit (w6a8, as stored) and
+whose other ones are int8 (w8a8) ("mixed"), a
 4-bit draft (w4a8), prompt lookup first and the draft model where nothing matches, k chosen
 per step up to 4 for the draft model and 12 for lookups, and a draft head truncated to the 32768 most frequent
 tokens where a frequency ranking is known for the tokenizer. Every part is an opt-out (see README).

@@ -407,9 +407,10 @@ def test_target_tokenizer_and_config():
 
 
 def test_mixed_quantization_follows_the_gguf_storage_types(tmp_path):
-    """quantization="mixed" on a real Q4_K_M file (the default target's first layers): a linear is w4a8 exactly
-    where every checkpoint tensor behind it is 4-bit (a fused projection with a Q6_K part is w8a8, as is the
-    Q6_K head), and its w4a8 weights are the Q4_K values as stored, exactly."""
+    """quantization="mixed" on a real Q4_K_M file (the default target's first layers): a linear is w4a8 where
+    every checkpoint tensor behind it is 4-bit, w6a8 where every one is Q6_K (the head, some ffn_down), else w8a8
+    (a fused projection with a Q6_K part), and its w4a8 / w6a8 weights are the Q4_K / Q6_K values as stored,
+    exactly."""
     from specdecode.layers.linear import Linear
     from specdecode.models.default_models import default_model_path
     from specdecode.models.loader import FOUR_BIT_GGUF, load_model
@@ -426,12 +427,13 @@ def test_mixed_quantization_follows_the_gguf_storage_types(tmp_path):
         for name, srcs in parts.items():
             types = {g.tensor_type(f"model.layers.{i}.{s}.weight") for s in srcs}
             packed = getattr(layer, name).packed
-            want = "w4a8" if types <= FOUR_BIT_GGUF else "w8a8"
+            want = "w4a8" if types <= FOUR_BIT_GGUF else "w6a8" if types == {"Q6_K"} else "w8a8"
             assert packed.fmt == want, (i, name, types)
             seen.add(want)
-            if want == "w4a8":  # the stored Q4_K blocks, exactly (a fused one: its parts' rows in order)
+            if want != "w8a8":  # the stored blocks, exactly (a fused one: its parts' rows in order)
                 ref = torch.cat([g.load_tensor(f"model.layers.{i}.{s}.weight") for s in srcs])
                 assert torch.equal(kernels.dequantize(packed), ref), (i, name)
-    assert seen == {"w4a8", "w8a8"}  # this file mixes both
-    assert g.tensor_type("lm_head.weight") == "Q6_K" and model.lm_head.packed.fmt == "w8a8"
-    assert all(m.packed.fmt in ("w4a8", "w8a8") for m in model.modules() if isinstance(m, Linear))
+    assert seen == {"w4a8", "w6a8", "w8a8"}  # this file mixes all three
+    assert g.tensor_type("lm_head.weight") == "Q6_K" and model.lm_head.packed.fmt == "w6a8"
+    assert torch.equal(kernels.dequantize(model.lm_head.packed), g.load_tensor("lm_head.weight"))
+    assert all(m.packed.fmt in ("w4a8", "w6a8", "w8a8") for m in model.modules() if isinstance(m, Linear))

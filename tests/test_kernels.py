@@ -379,6 +379,66 @@ def test_w4a8_select_rows_and_layout_round_trip():
     assert torch.equal(kernels.rowinv_linear(x, sub), kernels.rowinv_linear(x, p)[:, rows])
 
 
+def _q6k_blocks(n: int, k: int, seed: int) -> torch.Tensor:
+    """Random GGUF Q6_K rows (uint8 [n, k / 256 * 210]): random bytes (so int8 scales of both signs, -128
+    included somewhere) but d, a small fp16 value (negative in one super-block of each row)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (n, k // 256, 210), dtype=torch.uint8, generator=g)
+    blocks[0, 0, 192] = 0x80  # scale -128: the largest |t_b| the kernel's integer sums must hold
+    d = (torch.rand(n, k // 256, generator=g) * 0.001 + 1e-5).half()
+    d[:, 0] = -d[:, 0]
+    blocks[:, :, 208:] = d.view(torch.uint8).view(n, k // 256, 2)
+    return blocks.view(n, -1)
+
+
+def test_w6a8_holds_q6k_blocks_exactly_as_stored():
+    """A GGUF Q6_K tensor packed from its stored blocks (``pack_q6k``) holds exactly the weights gguf-py's Q6_K
+    dequantization gives, in 6.5625 bits a weight, and the kernel multiplies with those weights: its exact
+    integer sums agree with a float64 product to float32 rounding, even with every activation at the end of
+    its range (the largest sums the format allows)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    n, k = 40, 768
+    blocks = _q6k_blocks(n, k, 3)
+    want = torch.from_numpy(gguf_dequantize(blocks.numpy(), GGMLQuantizationType.Q6_K).astype(np.float32)).view(n, k)
+    p = kernels.pack_q6k(blocks, k)
+    assert p.fmt == "w6a8" and p.nbytes == 48 * k * 6.5625 / 8  # 40 channels padded to 48
+    assert torch.equal(kernels.dequantize(p), want)
+    for x in (_x(5, k, 4), torch.full((2, k), 1.0), torch.full((1, k), -3.0)):
+        ref = kernels.quantize_activations(x).double() @ want.double().T
+        assert _rel_err(kernels.rowinv_linear(x, p).double(), ref) < 1e-6
+    with pytest.raises(ValueError, match="multiple of 256"):
+        kernels.pack_q6k(blocks[:, :210], 200)
+
+
+def test_w6a8_quantizes_float_weights_and_round_trips():
+    """Float weights in w6a8: within half a step of their 16's grid (or clipped at its end), rows cut from a
+    packed weight are the rows of the whole, and fields -> layout -> fields is the identity."""
+    w = _weight(70, 300, 5)
+    p = kernels.pack_linear(w, "w6a8")
+    f = kernels._w6_unpack_rows(p, torch.arange(70))
+    assert f.u.shape == (70, 320) and f.sc.shape == (70, 20) and f.D.shape == (70, 2)
+    assert int(f.u.max()) <= 63 and int(f.u.min()) == 0
+    step = (f.D.float().repeat_interleave(16, dim=1)[:, :20] * f.sc.float())[:, :, None]
+    err = F.pad((kernels.dequantize(p) - w).abs(), (0, 20)).view(70, 20, 16)
+    on_grid = F.pad(w, (0, 20)).view(70, 20, 16) / step
+    inside = (on_grid >= -32.5) & (on_grid <= 31.5)
+    assert bool(inside[:, :18].float().mean() > 0.99) and (err <= step.abs() / 2 * 1.0001)[inside].all()
+    assert float(err.pow(2).mean() / w.pow(2).mean()) < 2e-3
+    again = kernels.pack_w6(f, 300)
+    assert torch.equal(again.weight, p.weight) and torch.equal(again.scale, p.scale)
+    rows = torch.tensor([69, 0, 17, 16, 33])
+    sub = p.select_rows(rows)
+    assert torch.equal(kernels.dequantize(sub), kernels.dequantize(p)[rows])
+    x = _x(6, 300, 6)
+    assert torch.equal(kernels.rowinv_linear(x, sub), kernels.rowinv_linear(x, p)[:, rows])
+    for m in (1, 2, 3, 7, 17):  # every row count: row i is the same bits alone and among others
+        y = kernels.rowinv_linear(_x(m, 300, 7), p)
+        assert torch.equal(y[-1:], kernels.rowinv_linear(_x(m, 300, 7)[-1:], p))
+
+
 def _kv_edge_values() -> torch.Tensor:
     """Floats around every rounding decision of float32 -> float16 / bfloat16: each 16-bit value, the midpoints
     between neighbours (ties) and one float32 step either side, subnormals, overflow and specials."""
@@ -455,10 +515,11 @@ def test_integer_instruction_sets_agree_bitwise(tmp_path, tiny_models):
     cases = []
     for i, (n, k) in enumerate([(64, 64), (257, 72), (131, 1536), (40, 4100)]):
         w = _weight(n, k, 60 + i)
-        for fmt in ("w8a8", "w4a8"):
+        for fmt in ("w8a8", "w4a8", "w6a8"):
             cases.append((kernels.pack_linear(w, fmt), _x(7, k, 70 + i) * 4, torch.randn(n)))
-        if k % 256 == 0:  # stored Q4_K blocks: 6-bit codes, a negative unit
+        if k % 256 == 0:  # stored Q4_K and Q6_K blocks: 6-bit codes, negative units, a scale of -128
             cases.append((kernels.pack_q4k(_q4k_blocks(n, k, 80 + i), k), _x(7, k, 70 + i) * 4, torch.randn(n)))
+            cases.append((kernels.pack_q6k(_q6k_blocks(n, k, 90 + i), k), _x(7, k, 70 + i) * 4, torch.randn(n)))
     # 7 rows take the tiles of 4 and 3 rows; 1 and 2 rows (decode, short verification) take the paths that run
     # the offsets' chains inside the block loop.
     cases += [(p, x[:n], b) for p, x, b in list(cases) for n in (1, 2)]

@@ -239,7 +239,7 @@ def test_concurrent_write_entry_and_readers(cache):
     assert seen and final.is_file() and not list(final.parent.glob("*.tmp-*"))
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "w8a8", "w4a8"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "w8a8", "w4a8", "w6a8"])
 def test_pack_in_chunks_is_bitwise_pack_linear(fmt):
     torch.manual_seed(0)
     for n, k in ((1000, 96), (4099, 64), (37, 40)):

@@ -43,7 +43,7 @@
 
 namespace {
 
-enum Fmt : int { kF32 = 0, kBF16 = 1, kI8 = 2, kW8A8 = 3, kW4A8 = 4 };
+enum Fmt : int { kF32 = 0, kBF16 = 1, kI8 = 2, kW8A8 = 3, kW4A8 = 4, kW6A8 = 5 };
 
 constexpr int64_t kUnit = 24;       // channels per parallel work unit (lcm of tile widths 8, 6, 3, 2)
 constexpr int64_t kRowBlock = 64;   // rows processed per pass over a channel block
@@ -72,6 +72,8 @@ constexpr int64_t kW8PrefetchL2Blocks = 8;   // 512-byte blocks of one group's i
 // 256-byte blocks of one group's 4-bit weights: 32 KB ahead, which keeps more lines in flight than 8 KB did
 // (docs/benchmarks.md, session 26).
 constexpr int64_t kW4PrefetchL2Blocks = 128;
+constexpr int64_t kW6PrefetchL2Blocks = 85;  // 384-byte blocks of one group's 6-bit weights: 32 KB, as for w4a8
+constexpr int64_t kW6PrefetchBlocks = 11;    // the AVX2 path's distance: about 4 KB, as kW4PrefetchBlocks
 
 #if defined(__GNUC__)
 #define SPECDECODE_ALWAYS_INLINE __attribute__((always_inline))
@@ -428,6 +430,7 @@ struct QAct {            // quantized activations, per row: Kp bytes of q and of
   const int32_t* ncorr;  // -128 * sum of the block's q values
   const float* d;        // the block's scale
   const float* noff;     // -(d * sum of the block's q values): what w4a8's block offsets are multiplied by
+  const int32_t* hcorr;  // -32 * the sum of q over each half block (16 values), [rows, Kp / 16]; w6a8 only
   int64_t ldq;           // = Kp
   int64_t ldb;           // = Kp / 32
 };
@@ -506,7 +509,7 @@ static inline int32_t quantize_block(const float* x, int64_t n, int8_t* q, int8_
 }
 
 static void quantize_row(const float* x, int64_t K, int64_t Kp, int8_t* q, int8_t* qabs, int32_t* ncorr, float* dl,
-                         float* noff) {
+                         float* noff, int32_t* hcorr) {
   for (int64_t b0 = 0; b0 < Kp; b0 += kQBlock) {
     const int64_t n = std::max<int64_t>(0, std::min<int64_t>(kQBlock, K - b0));
     float d;
@@ -514,6 +517,12 @@ static void quantize_row(const float* x, int64_t K, int64_t Kp, int8_t* q, int8_
     ncorr[b0 / kQBlock] = -128 * sum;
     dl[b0 / kQBlock] = d;
     noff[b0 / kQBlock] = -(d * static_cast<float>(sum));
+    if (hcorr) {
+      int32_t first = 0;
+      for (int i = 0; i < 16; ++i) first += q[b0 + i];
+      hcorr[b0 / 16] = -32 * first;
+      hcorr[b0 / 16 + 1] = -32 * (sum - first);
+    }
   }
 }
 
@@ -885,29 +894,33 @@ static void w8a8_run(const W8Args& a, int64_t M) {
 
 // Quantizes the activations of x [M, ldx] (blocks of 32, see quantize_row) and hands them to run(QAct).
 template <typename RunFn>
-static void with_quantized_x(const float* x, int64_t ldx, int64_t K, int64_t Kp, int64_t M, RunFn&& run) {
+static void with_quantized_x(const float* x, int64_t ldx, int64_t K, int64_t Kp, int64_t M, RunFn&& run,
+                             bool halves = false) {
   // Kept across calls (grow only): a fresh large buffer costs page faults on every call.
   // (thread_local: referenced through plain pointers below, since worker threads have their own instances).
   thread_local std::vector<int8_t> q_buf, qabs_buf;
   thread_local std::vector<int32_t> ncorr_buf;
   thread_local std::vector<float> dl_buf, noff_buf;
+  thread_local std::vector<int32_t> hcorr_buf;
   q_buf.resize(std::max<size_t>(q_buf.size(), M * Kp));
   qabs_buf.resize(q_buf.size());
   ncorr_buf.resize(std::max<size_t>(ncorr_buf.size(), M * Kp / kQBlock));
   dl_buf.resize(ncorr_buf.size());
   noff_buf.resize(ncorr_buf.size());
+  if (halves) hcorr_buf.resize(std::max<size_t>(hcorr_buf.size(), M * Kp / 16));
   int8_t* const q = q_buf.data();
   int8_t* const qabs = qabs_buf.data();
   int32_t* const ncorr = ncorr_buf.data();
   float* const dl = dl_buf.data();
   float* const noff = noff_buf.data();
+  int32_t* const hcorr = halves ? hcorr_buf.data() : nullptr;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, K));
   at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       quantize_row(x + m * ldx, K, Kp, q + m * Kp, qabs + m * Kp, ncorr + m * Kp / kQBlock, dl + m * Kp / kQBlock,
-                   noff + m * Kp / kQBlock);
+                   noff + m * Kp / kQBlock, hcorr ? hcorr + m * Kp / 16 : nullptr);
   });
-  run(QAct{q, qabs, ncorr, dl, noff, Kp, Kp / kQBlock});
+  run(QAct{q, qabs, ncorr, dl, noff, hcorr, Kp, Kp / kQBlock});
 }
 
 // =============================================================================================
@@ -1429,19 +1442,272 @@ static void w4a8_run(const W4Args& a, int64_t M) {
 }
 
 // =============================================================================================
+// W6A8: 6-bit weights x int8 activations in the layout of GGUF's Q6_K, exact integer dot products. Per 16
+// weights of a channel an int8 scale code, per 256 weights one fp16 unit: w[n, k] = D[n, t] * sc[n, h] *
+// (u[n, k] - 32) with u in 0..63, h = k / 16, t = k / 256, 6.5625 bits a weight (w8a8: 8 and a float per
+// channel). A Q6_K block is held exactly as stored (D its d, sc its 16 scales, u its 6-bit values).
+//
+// Per (row, channel) and block b of 32 (halves h = 2b, 2b + 1) the kernel takes the exact integer
+//   t_b = sc[n, 2b] * S_2b + sc[n, 2b + 1] * S_2b+1,   S_h = sum_{k in h} (u[n, k] - 32) * q[m, k]
+// (|S_h| <= 16 * 32 * 127 and |sc| <= 128, so |t_b| < 2^24: float(t_b) is exact), then
+//   acc = fma(float(t_b), d_b * D[n, t], acc)   for b = 0, 1, ... in order;   y[m, n] = acc + bias[n].
+// The VNNI, AVX2 and scalar paths compute exactly this, so they agree bit for bit, and a row depends on no
+// other row.
+//
+// Layout: channels in groups of 16 as for w8a8. Group g, block b is 384 bytes: four 64-byte vectors of low
+// nibbles as w4a8 holds its u (vector j: lane l's byte i = low4(u[k0 + i]) | low4(u[k0 + 4 + i]) << 4, k0 =
+// 32b + 8j), then two 64-byte vectors of high bits (vector h covers k = 32b + 16h .. + 15: lane l's byte i
+// holds high2(u[k1 + 4s + i]) at bits 2s, 2s + 1 for s = 0..3, k1 = 32b + 16h). A group's scale row is
+// [nblocks][32] codes (block b: sc of half 2b for lanes 0..15, then of half 2b + 1) and [nsuper][16] fp16 D.
+// =============================================================================================
+struct W6Args {
+  QAct x;               // with hcorr
+  const uint8_t* w;     // [groups, Kp * 12]
+  const uint8_t* sc;    // [groups, stride()]
+  int64_t Kp;
+  int64_t nblocks;
+  int64_t nsuper;       // ceil(nblocks / 8)
+  int64_t N;
+  const float* bias;
+  float* y;
+  int64_t ldy;
+  const uint8_t* group(int64_t g) const { return w + g * nblocks * 384; }
+  int64_t stride() const { return nblocks * 32 + nsuper * 32; }
+  const int8_t* codes(int64_t g) const { return reinterpret_cast<const int8_t*>(sc + g * stride()); }
+  const uint16_t* units(int64_t g) const { return reinterpret_cast<const uint16_t*>(sc + g * stride() + nblocks * 32); }
+};
+
+// u of lane l, k = 32b + 4 * quad + i (quad 0..7) in group g: the scalar statement of the layout above.
+static inline int w6_u(const uint8_t* wg, int64_t b, int quad, int l, int i) {
+  const uint8_t lo = wg[b * 384 + (quad / 2) * 64 + 4 * l + i];
+  const uint8_t hi = wg[b * 384 + 256 + (quad / 4) * 64 + 4 * l + i];
+  return ((quad % 2 ? lo >> 4 : lo & 0x0F)) | (((hi >> (2 * (quad % 4))) & 3) << 4);
+}
+
+static inline void w6a8_store(const W6Args& a, int64_t m, int64_t n0, const float* v, int lanes) {
+  for (int l = 0; l < lanes && n0 + l < a.N; ++l) {
+    float r = v[l];
+    if (a.bias) r = r + a.bias[n0 + l];
+    a.y[m * a.ldy + n0 + l] = r;
+  }
+}
+
+#if SPECDECODE_VNNI
+// Quads 4h..4h+3 of block b as bytes u (0..63): the low nibbles of vectors 2h, 2h + 1 and the high bits of
+// vector hv.
+static inline SPECDECODE_ALWAYS_INLINE void w6_unpack16(__m512i v0, __m512i v1, __m512i hv, __m512i (&u)[4]) {
+  const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+  // (a & low) | b, per bit: vpternlog's table for a ? ... : b with c = low
+  u[0] = _mm512_ternarylogic_epi32(v0, low, _mm512_and_si512(_mm512_slli_epi16(hv, 4), top), 0xEA);
+  u[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v0, 4), low, _mm512_and_si512(_mm512_slli_epi16(hv, 2), top), 0xEA);
+  u[2] = _mm512_ternarylogic_epi32(v1, low, _mm512_and_si512(hv, top), 0xEA);
+  u[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v1, 4), low, _mm512_and_si512(_mm512_srli_epi16(hv, 2), top), 0xEA);
+}
+
+// R rows x one group of 16 channels (every row count: a group's 384 bytes a block are reread from L1 by each
+// tile of rows). Each half's sums start at -32 * sum(q) (hcorr), so they are S_h; the two halves' products
+// with their codes make t_b.
+template <int R>
+static inline void w6a8_one(const W6Args& a, int64_t m0, int64_t g) {
+  constexpr int kSums = R == 1 ? 2 : 1;  // one row: two chains per half, so the dot products do not wait
+  __m512 acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const uint8_t* wg = a.group(g);
+  const int8_t* cg = a.codes(g);
+  const uint16_t* ug = a.units(g);
+  for (int64_t b = 0; b < a.nblocks; ++b) {
+    if (kPrefetch) {
+      for (int l = 0; l < 6; ++l) prefetch_l2(reinterpret_cast<const char*>(wg) + (b + kW6PrefetchL2Blocks) * 384 + 64 * l);
+      if ((b & 1) == 0) prefetch_l2(reinterpret_cast<const char*>(cg + (b + kW6PrefetchL2Blocks) * 32));
+    }
+    const uint8_t* wb = wg + b * 384;
+    __m512i t[R];
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m512i u[4];
+      w6_unpack16(_mm512_loadu_si512(wb + 128 * h), _mm512_loadu_si512(wb + 128 * h + 64),
+                  _mm512_loadu_si512(wb + 256 + 64 * h), u);
+      const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cg + b * 32 + 16 * h)));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int8_t* q = a.x.q + (m0 + r) * a.x.ldq + b * kQBlock + 16 * h;
+        __m512i s[kSums];
+        s[0] = _mm512_set1_epi32(a.x.hcorr[(m0 + r) * a.x.ldb * 2 + 2 * b + h]);
+        if (kSums > 1) s[kSums - 1] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) s[j % kSums] = dpbusd_broadcast(s[j % kSums], u[j], q + 4 * j);
+        if (kSums > 1) s[0] = _mm512_add_epi32(s[0], s[kSums - 1]);
+        const __m512i p = _mm512_mullo_epi32(s[0], sc);
+        t[r] = h == 0 ? p : _mm512_add_epi32(t[r], p);
+      }
+    }
+    const __m512 unit = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ug + (b >> 3) * 16)));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 d = _mm512_set1_ps(a.x.d[(m0 + r) * a.x.ldb + b]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[r]), _mm512_mul_ps(d, unit), acc[r]);
+    }
+  }
+  alignas(64) float out[16];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm512_store_ps(out, acc[r]);
+    w6a8_store(a, m0 + r, g * kGroup, out, 16);
+  }
+}
+
+#elif SPECDECODE_AVX2
+// R rows x one group of 16 channels, as two halves of 8. The weights are taken signed (u - 32, |.| <= 32) and
+// multiplied with |q| and q's sign, as w8a8_group does: a pair of products is at most 8128 in magnitude, so a
+// half block's four quads sum in int16 exactly (<= 32512), and vpmaddwd with the half's codes widens and
+// scales them in one instruction (|sc * 32512 * 2| < 2^31).
+template <int R>
+static inline void w6a8_group(const W6Args& a, int64_t m0, int64_t g) {
+  constexpr int H = 2;
+  __m256 acc[R][H];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int c = 0; c < H; ++c) acc[r][c] = _mm256_setzero_ps();
+  const uint8_t* wg = a.group(g);
+  const int8_t* cg = a.codes(g);
+  const uint16_t* ug = a.units(g);
+  const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30), bias32 = _mm256_set1_epi8(32);
+  for (int64_t b = 0; b < a.nblocks; ++b) {
+#pragma GCC unroll 6
+    for (int l = 0; l < 6; ++l) prefetch(reinterpret_cast<const char*>(wg + (b + kW6PrefetchBlocks) * 384 + 64 * l));
+    const uint8_t* wb = wg + b * 384;
+    __m256i t[R][H];
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m256i sc[H];  // codes as int16 pairs (sc, sc) per int32 lane
+#pragma GCC unroll 2
+      for (int c = 0; c < H; ++c) {
+        const __m256i s32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cg + b * 32 + 16 * h + 8 * c)));
+        sc[c] = _mm256_or_si256(_mm256_and_si256(s32, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(s32, 16));
+      }
+      __m256i s[R][H];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+        for (int c = 0; c < H; ++c) s[r][c] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        __m256i w[H];
+#pragma GCC unroll 2
+        for (int c = 0; c < H; ++c) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 128 * h + 64 * (j / 2) + 32 * c));
+          const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 256 + 64 * h + 32 * c));
+          const __m256i lo = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(v, 4) : v, low);
+          const __m256i hs = j == 0 ? _mm256_slli_epi16(hv, 4) : j == 1 ? _mm256_slli_epi16(hv, 2)
+                                                             : j == 2 ? hv : _mm256_srli_epi16(hv, 2);
+          w[c] = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_and_si256(hs, top)), bias32);
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const int64_t at = (m0 + r) * a.x.ldq + b * kQBlock + 16 * h + 4 * j;
+          const __m256i q = _mm256_set1_epi32(load4(a.x.q + at));
+          const __m256i aq = _mm256_set1_epi32(load4(a.x.qabs + at));
+#pragma GCC unroll 2
+          for (int c = 0; c < H; ++c) {
+            s[r][c] = _mm256_add_epi16(s[r][c], _mm256_maddubs_epi16(aq, _mm256_sign_epi8(w[c], q)));
+            __asm__("" : "+x"(s[r][c]));  // see w4a8_group
+          }
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+        for (int c = 0; c < H; ++c) {
+          const __m256i p = _mm256_madd_epi16(s[r][c], sc[c]);
+          t[r][c] = h == 0 ? p : _mm256_add_epi32(t[r][c], p);
+        }
+    }
+#pragma GCC unroll 2
+    for (int c = 0; c < H; ++c) {
+      const __m256 unit = load_half8(ug + (b >> 3) * 16 + 8 * c);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256 d = _mm256_set1_ps(a.x.d[(m0 + r) * a.x.ldb + b]);
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t[r][c]), _mm256_mul_ps(d, unit), acc[r][c]);
+      }
+    }
+  }
+  alignas(32) float out[8];
+#pragma GCC unroll 2
+  for (int c = 0; c < H; ++c)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      _mm256_store_ps(out, acc[r][c]);
+      w6a8_store(a, m0 + r, g * kGroup + 8 * c, out, 8);
+    }
+}
+#endif
+
+#if SPECDECODE_VNNI
+template <int R>
+static void w6a8_rows(const W6Args& a, int64_t m0, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) w6a8_one<R>(a, m0, g);
+}
+#elif SPECDECODE_AVX2
+template <int R>
+static void w6a8_rows(const W6Args& a, int64_t m0, int64_t g0, int64_t g1) {
+  // at most 3 rows' int16 sums and accumulators at a time in the 16 ymm registers
+  constexpr int first = R <= 3 ? R : (R + 1) / 2;
+  for (int64_t g = g0; g < g1; ++g) {
+    w6a8_group<first>(a, m0, g);
+    if constexpr (R > first) w6a8_group<R - first>(a, m0 + first, g);
+  }
+}
+#else  // portable scalar path, same arithmetic
+template <int R>
+static void w6a8_rows(const W6Args& a, int64_t m0, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* wg = a.group(g);
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const int8_t* q = a.x.q + m * a.x.ldq;
+      float out[kGroup];
+      for (int l = 0; l < kGroup; ++l) {
+        float acc = 0.0f;
+        for (int64_t b = 0; b < a.nblocks; ++b) {
+          int32_t t = 0;
+          for (int h = 0; h < 2; ++h) {
+            int32_t s = 0;
+            for (int k = 0; k < 16; ++k) s += (w6_u(wg, b, 4 * h + k / 4, l, k % 4) - 32) * int32_t(q[b * kQBlock + 16 * h + k]);
+            t += int32_t(a.codes(g)[b * 32 + 16 * h + l]) * s;
+          }
+          acc = std::fma(static_cast<float>(t), a.x.d[m * a.x.ldb + b] * half_to_float(a.units(g)[(b >> 3) * 16 + l]), acc);
+        }
+        out[l] = acc;
+      }
+      w6a8_store(a, m, g * kGroup, out, kGroup);
+    }
+  }
+}
+#endif
+
+static void w6a8_run(const W6Args& a, int64_t M) {
+  static void (*const rows[6])(const W6Args&, int64_t, int64_t, int64_t) = {
+      w6a8_rows<1>, w6a8_rows<2>, w6a8_rows<3>, w6a8_rows<4>, w6a8_rows<5>, w6a8_rows<6>};
+  run_groups(a, M, a.Kp * 12 + a.stride(), rows);
+}
+
+// =============================================================================================
 // One linear in any format, as kernels.PackedLinear describes it.
 // =============================================================================================
 struct Lin {
   int64_t fmt;        // Fmt
   const void* w;
-  int64_t ldw;        // row stride for fp32 / bf16 / int8 (>= round_up(K, 8)); Kp for w8a8 / w4a8
-  const void* scale;  // float32 [N] for int8 / w8a8, w4a8's codes and units (see W4Args), else unused
+  int64_t ldw;        // row stride for fp32 / bf16 / int8 (>= round_up(K, 8)); Kp for w8a8 / w4a8 / w6a8
+  const void* scale;  // float32 [N] for int8 / w8a8, w4a8 / w6a8 codes and units (W4Args, W6Args), else unused
   const float* bias;  // [N] or null
   int64_t K, N;
 };
 
 static const char* check_lin(const Lin& l) {
-  if (l.fmt < kF32 || l.fmt > kW4A8 || l.K < 0 || l.N < 0 || (l.N > 0 && l.w == nullptr)) return "bad weight";
+  if (l.fmt < kF32 || l.fmt > kW6A8 || l.K < 0 || l.N < 0 || (l.N > 0 && l.w == nullptr)) return "bad weight";
   if (l.fmt <= kI8 ? l.ldw < ((l.K + 7) / 8) * 8 : (l.ldw % kQBlock != 0 || l.ldw < l.K)) return "bad weight stride";
   if (l.fmt >= kI8 && l.scale == nullptr) return "missing scale";
   return nullptr;
@@ -1474,6 +1740,18 @@ static void linear(const Lin& l, const float* x, int64_t ldx, int64_t M, float* 
     a.ldy = ldy;
     a.one_group = M <= kOneGroupRows;
     with_quantized_x(x, ldx, l.K, l.ldw, M, [&](const QAct& q) { a.x = q; w4a8_run(a, M); });
+  } else if (l.fmt == kW6A8) {
+    W6Args a;
+    a.w = static_cast<const uint8_t*>(l.w);
+    a.sc = static_cast<const uint8_t*>(l.scale);
+    a.Kp = l.ldw;
+    a.nblocks = l.ldw / kQBlock;
+    a.nsuper = (a.nblocks + 7) / 8;
+    a.N = l.N;
+    a.bias = l.bias;
+    a.y = y;
+    a.ldy = ldy;
+    with_quantized_x(x, ldx, l.K, l.ldw, M, [&](const QAct& q) { a.x = q; w6a8_run(a, M); }, true);
   } else {
     Args a;
     a.x = x;

@@ -28,6 +28,10 @@ Weight formats (``pack_linear``):
     products. A Q4_K tensor is taken as stored (``pack_q4k``: its d, dmin, 6-bit scales and minimums), so a
     Q4_K_M checkpoint keeps its exact weights at about half the bytes of w8a8; other weights get per block the
     best of a few symmetric and affine grids (``_quantize_w4``).
+  * ``w6a8``: 6-bit weights in GGUF Q6_K's layout: ``w = D * sc * (u - 32)`` with u in 0..63, an int8 code ``sc``
+    per 16 weights and an fp16 unit ``D`` per 256 (6.5625 bits a weight), with the same quantized activations
+    and exact integer sums. A Q6_K tensor is taken as stored (``pack_q6k``); other weights get per 16 the
+    scale that puts their extreme on the grid (``_quantize_w6``).
 For fp32/bf16/int8, activations and accumulation are fp32.
 
 Non-CPU inputs (e.g. CUDA) use ``F.linear`` on a dequantized weight cached on that device; bitwise row
@@ -48,16 +52,17 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-FORMATS = ("fp32", "bf16", "int8", "w8a8", "w4a8")
-_FMT_CODE = {"fp32": 0, "bf16": 1, "int8": 2, "w8a8": 3, "w4a8": 4}
+FORMATS = ("fp32", "bf16", "int8", "w8a8", "w4a8", "w6a8")
+_FMT_CODE = {"fp32": 0, "bf16": 1, "int8": 2, "w8a8": 3, "w4a8": 4, "w6a8": 5}
 _WEIGHT_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "w8a8": torch.uint8,
-                 "w4a8": torch.uint8}
-_K_ALIGN = {"fp32": 8, "bf16": 8, "int8": 8, "w8a8": 32, "w4a8": 32}
-QUANTIZED = ("int8", "w8a8", "w4a8")  # formats that replace the float weight (quantization= values)
-INT_ACTS = ("w8a8", "w4a8")  # formats whose kernel also quantizes the activations (quantize_activations)
+                 "w4a8": torch.uint8, "w6a8": torch.uint8}
+_K_ALIGN = {"fp32": 8, "bf16": 8, "int8": 8, "w8a8": 32, "w4a8": 32, "w6a8": 32}
+QUANTIZED = ("int8", "w8a8", "w4a8", "w6a8")  # formats that replace the float weight (Linear.prepare)
+INT_ACTS = ("w8a8", "w4a8", "w6a8")  # formats whose kernel also quantizes the activations (quantize_activations)
 W8A8_GROUP = 16  # channels per interleaved w8a8 weight group
 ACT_BLOCK = 32  # w8a8 activation quantization block (along K)
 W4_SUPER = 8  # w4a8 blocks of 32 that share one fp16 scale unit and one offset unit (Q4_K's 256 weights)
+W6_BLOCK_BYTES = 384  # bytes of one w6a8 group's block of 32 K values: 4 vectors of low nibbles, 2 of high bits
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_linear.cpp")
 
 # Set to True to force the pure-torch fallback (tests / debugging).
@@ -123,6 +128,15 @@ class PackedLinear:
                     or tuple(scale.shape) != (G, _w4_scale_bytes(Kp))):
                 raise ValueError(f"w4a8_linear: malformed packed weight {tuple(w.shape)} {w.dtype} for {self!r}")
             stride = Kp
+        elif self.fmt == "w6a8":
+            G = -(-N // W8A8_GROUP)
+            Kp = w.shape[1] * ACT_BLOCK // W6_BLOCK_BYTES if w.ndim == 2 else 0
+            if (w.dtype != torch.uint8 or w.ndim != 2 or not w.is_contiguous() or not w.is_cpu or w.shape[0] != G
+                    or Kp < K or Kp % ACT_BLOCK or w.shape[1] != Kp // ACT_BLOCK * W6_BLOCK_BYTES or scale is None
+                    or scale.dtype != torch.uint8 or not scale.is_contiguous() or not scale.is_cpu
+                    or tuple(scale.shape) != (G, _w6_scale_bytes(Kp))):
+                raise ValueError(f"w6a8_linear: malformed packed weight {tuple(w.shape)} {w.dtype} for {self!r}")
+            stride = Kp
         elif (w.dtype != _WEIGHT_DTYPE[self.fmt] or w.ndim != 2 or w.shape[0] != N or w.stride(1) != 1
                 or w.shape[1] < _round_up(K, _K_ALIGN[self.fmt]) or (N > 1 and w.stride(0) < w.shape[1]) or not w.is_cpu):
             raise ValueError(f"rowinv_linear: malformed packed weight {tuple(w.shape)} {w.dtype} for {self!r}")
@@ -133,7 +147,7 @@ class PackedLinear:
                 raise ValueError("rowinv_linear: int8 weight needs a [N] scale")
             if scale.dtype != torch.float32 or not scale.is_cpu or not scale.is_contiguous():
                 scale = scale.to(device="cpu", dtype=torch.float32).contiguous()
-        elif self.fmt != "w4a8":  # w4a8's codes and units were checked above
+        elif self.fmt not in ("w4a8", "w6a8"):  # their codes and units were checked above
             scale = None
         args = (w.data_ptr(), stride, _FMT_CODE[self.fmt], scale)
         self._checked = (key, args)
@@ -147,6 +161,8 @@ class PackedLinear:
         """The same format restricted to output channels ``rows`` (copied)."""
         if self.fmt == "w4a8":
             return _w4_select_rows(self, rows)
+        if self.fmt == "w6a8":
+            return pack_w6(_w6_unpack_rows(self, rows), self.in_features)
         scale = self.scale[rows].contiguous() if self.scale is not None else None
         if self.fmt == "w8a8":
             return PackedLinear(self.fmt, _interleave(_w8a8_rows(self, 0, self.out_features)[rows]), scale,
@@ -197,6 +213,8 @@ def pack_linear(weight: torch.Tensor, fmt: str) -> PackedLinear:
 
     if fmt == "w4a8":
         return _quantize_w4(w)
+    if fmt == "w6a8":
+        return _quantize_w6(w)
 
     # int8: symmetric, per output channel; processed in row chunks to bound temporary memory.
     q = torch.zeros(N, Kp, dtype=torch.int8, device=w.device)
@@ -438,6 +456,118 @@ def _w4_unpack_rows(packed: PackedLinear, rows: torch.Tensor) -> W4Fields:
     return W4Fields(u.reshape(len(byte), -1), cs, co, D, Dm)
 
 
+class W6Fields(NamedTuple):
+    """A w6a8 weight in logical form: ``w[n, k] = D[n, t] * sc[n, h] * (u[n, k] - 32)`` with h = k // 16 and
+    t = k // 256. ``u`` uint8 [N, Kp] (0..63), ``sc`` int8 [N, Kp / 16], ``D`` float16 [N, ceil(Kp / 256)]."""
+    u: torch.Tensor
+    sc: torch.Tensor
+    D: torch.Tensor
+
+
+def _w6_scale_bytes(Kp: int) -> int:
+    """Bytes of one 16-channel group's codes (32 a block) and fp16 units (32 per 8 blocks)."""
+    nb = Kp // ACT_BLOCK
+    return nb * 32 + -(-nb // W4_SUPER) * 32
+
+
+def q6k_fields(blocks: torch.Tensor, K: int) -> W6Fields:
+    """A GGUF Q6_K tensor as stored (uint8 ``[N, K / 256 * 210]``) -> its w6a8 fields, which hold exactly the
+    weights llama.cpp dequantizes: d becomes the unit, the 16 int8 scales the codes, the 6-bit values u (the
+    value order of gguf-py's Q6_K dequantization)."""
+    if K % 256:
+        raise ValueError(f"q6k_fields: a Q6_K row holds a multiple of 256 weights, got {K}")
+    N, nsb = blocks.shape[0], K // 256
+    b = blocks.reshape(N * nsb, 210)
+    ql = (b[:, :128].reshape(-1, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)) & 0x0F
+    qh = (b[:, 128:192].reshape(-1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)) & 3
+    u = ql.reshape(-1, 256) | (qh.reshape(-1, 256) << 4)
+    sc = b[:, 192:208].contiguous().view(torch.int8)
+    D = b[:, 208:210].contiguous().view(torch.float16)
+    return W6Fields(u.reshape(N, K).contiguous(), sc.reshape(N, nsb * 16), D.reshape(N, nsb))
+
+
+def pack_q6k(blocks: torch.Tensor, K: int) -> PackedLinear:
+    """A GGUF Q6_K tensor as stored -> w6a8 holding exactly its weights."""
+    return pack_w6(q6k_fields(blocks, K), K)
+
+
+def _quantize_w6(w: torch.Tensor) -> PackedLinear:
+    """Float weights -> w6a8: per 16 weights the scale that maps the signed extreme to -32 (as a Q6_K block's
+    largest value), as a code of the 256 weights' unit; u the nearest step, clamped to 0..63 (only a value of
+    the other sign and nearly the extreme's size is clipped, to 31 steps)."""
+    N, K = w.shape
+    Kp = _round_up(K, ACT_BLOCK)
+    parts: list[W6Fields] = []
+    step = max(W8A8_GROUP, (1 << 20) // Kp)
+    for n0 in range(0, N, step):
+        x = F.pad(w[n0:n0 + step].float(), (0, Kp - K))
+        n = x.shape[0]
+        h = x.view(n, Kp // 16, 16)
+        v = h.gather(2, h.abs().argmax(dim=2, keepdim=True)).squeeze(2)  # signed extreme of each 16
+        s = -v / 32.0
+        D = _w4_units(s.view(n, Kp // ACT_BLOCK, 2).abs().amax(dim=2))  # per 8 blocks, as w4a8's
+        Dh = D.float().repeat_interleave(W4_SUPER * 2, dim=1)[:, :Kp // 16]
+        # codes rounded away from zero, so that each 16's extreme stays on its grid (never clipped)
+        r = s / torch.where(Dh != 0, Dh, torch.ones_like(Dh))
+        sc = torch.where(Dh != 0, r.sign() * r.abs().ceil(), torch.zeros_like(s)).clamp_(-_W4_CODE_MAX, _W4_CODE_MAX)
+        step_h = (Dh * sc)[:, :, None]
+        u = torch.where(step_h != 0, torch.round(h / torch.where(step_h != 0, step_h, torch.ones_like(step_h))),
+                        torch.zeros_like(h)).clamp_(-32, 31) + 32
+        parts.append(W6Fields(u.view(n, Kp).to(torch.uint8), sc.to(torch.int8), D))
+    return pack_w6(W6Fields(*(torch.cat(t) for t in zip(*parts))), K)
+
+
+def pack_w6(f: W6Fields, K: int) -> PackedLinear:
+    """Logical fields -> the kernel's w6a8 layout (cpu_linear.cpp, W6A8): per group of 16 channels and block of
+    32 K values four 64-byte vectors of low nibbles (as w4a8's) and two of high bits, lane l's 4 bytes side by
+    side; per group the codes of each block (lanes 0..15 of its first 16 K values, then of its second) and the
+    fp16 units of each 8 blocks."""
+    N, Kp = f.u.shape
+    nb = Kp // ACT_BLOCK
+    G = -(-N // W8A8_GROUP)
+    u = f.u.view(N, nb, 4, 2, 4)  # [n, block, quarter, nibble, byte]
+    low = (u[:, :, :, 0] & 0x0F) | ((u[:, :, :, 1] & 0x0F) << 4)
+    hi = (f.u.view(N, nb, 2, 4, 4) >> 4)  # [n, block, half, quad, byte]
+    high = hi[:, :, :, 0] | (hi[:, :, :, 1] << 2) | (hi[:, :, :, 2] << 4) | (hi[:, :, :, 3] << 6)
+    vecs = torch.zeros((G * W8A8_GROUP, nb, 6, 4), dtype=torch.uint8, device=f.u.device)
+    vecs[:N, :, :4], vecs[:N, :, 4:] = low, high
+    weight = vecs.view(G, W8A8_GROUP, nb, 6, 4).permute(0, 2, 3, 1, 4).contiguous().view(G, nb * W6_BLOCK_BYTES)
+
+    def by_group(a: torch.Tensor, per: int) -> torch.Tensor:  # [N, m * per] -> [G, m, per, 16] as bytes
+        out = torch.zeros(G * W8A8_GROUP, a.shape[1], dtype=a.dtype, device=f.u.device)
+        out[:N] = a
+        return out.view(G, W8A8_GROUP, -1, per).permute(0, 2, 3, 1).contiguous().view(G, -1).view(torch.uint8)
+
+    scale = torch.cat([by_group(f.sc, 2), by_group(f.D, 1)], dim=1)
+    return PackedLinear("w6a8", weight, scale, K, N)
+
+
+def _w6_unpack_rows(packed: PackedLinear, rows: torch.Tensor) -> W6Fields:
+    """The logical fields of just the channels ``rows`` (in that order) of a w6a8 weight."""
+    rows = rows.to(packed.weight.device)
+    G = packed.weight.shape[0]
+    nb = packed.weight.shape[1] // W6_BLOCK_BYTES
+    ns = -(-nb // W4_SUPER)
+    g, lane = rows // W8A8_GROUP, rows % W8A8_GROUP
+    vecs = packed.weight.view(G, nb, 6, W8A8_GROUP, 4)[g, :, :, lane, :]  # [n, block, vector, byte]
+    n = len(rows)
+    low = torch.stack([vecs[:, :, :4] & 0x0F, vecs[:, :, :4] >> 4], dim=3).reshape(n, nb, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=vecs.device).view(1, 1, 1, 4, 1)
+    high = ((vecs[:, :, 4:, None, :] >> shifts) & 3).reshape(n, nb, 32)
+    codes = packed.scale[:, :nb * 32].view(torch.int8).view(G, nb, 2, W8A8_GROUP)[g, :, :, lane]  # [n, nb, 2]
+    units = packed.scale[:, nb * 32:].contiguous().view(torch.float16).view(G, ns, W8A8_GROUP)[g, :, lane]
+    return W6Fields((low | (high << 4)).reshape(n, nb * 32), codes.reshape(n, nb * 2), units)
+
+
+def w6_weights(f: W6Fields, K: int) -> torch.Tensor:
+    """float32 ``[N, K]``: ``(D * sc) * (u - 32)`` in float32, as gguf-py's Q6_K dequantization rounds it (the
+    kernel takes the integer sums exactly, so its products may differ from these in the last bit)."""
+    n = f.u.shape[0]
+    Dh = f.D.float().repeat_interleave(W4_SUPER * 2, dim=1)[:, :f.sc.shape[1]]
+    w = (Dh * f.sc.float())[:, :, None] * (f.u.float().view(n, -1, 16) - 32.0)
+    return w.view(n, -1)[:, :K]
+
+
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     """What the w8a8 kernel multiplies with: each row of ``x [M, K]`` quantized in blocks of
     ``ACT_BLOCK`` along K (``d = absmax / 127``, ``q = round(x * (1 / d))``), returned dequantized
@@ -460,6 +590,9 @@ def _dequantize_rows(packed: PackedLinear, n0: int, n1: int) -> torch.Tensor:
     """float32 weight rows [n0, n1) (a view for fp32, a new tensor otherwise)."""
     if packed.fmt == "w4a8":
         return w4_weights(_w4_unpack(packed, n0, n1), packed.in_features)
+    if packed.fmt == "w6a8":
+        rows = torch.arange(n0, min(n1, packed.out_features))
+        return w6_weights(_w6_unpack_rows(packed, rows), packed.in_features)
     if packed.fmt == "w8a8":
         n1 = min(n1, packed.out_features)
         w = _w8a8_rows(packed, n0, n1)[:, :packed.in_features].to(torch.int16) - 128

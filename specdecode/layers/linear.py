@@ -46,7 +46,7 @@ def pack_in_chunks(weight: torch.Tensor, fmt: str, rows: int = PACK_ROWS) -> ker
         raise ValueError(f"pack_in_chunks: rows must be a multiple of {kernels.W8A8_GROUP}")
     grouped = fmt in kernels.INT_ACTS  # leading dim counts 16-channel groups, not channels
     unit = kernels.W8A8_GROUP if grouped else 1
-    s_unit = unit if fmt == "w4a8" else 1  # w4a8's codes and units are per group too; other scales per channel
+    s_unit = unit if fmt in ("w4a8", "w6a8") else 1  # their codes and units are per group too; other scales per channel
     weight_out = scale_out = None
     for n0 in range(0, N, rows):
         part = kernels.pack_linear(weight[n0:n0 + rows], fmt)

@@ -330,9 +330,9 @@ def _convert(path: Path, dtype: str, device: str, max_model_len: int | None, qua
     linear_weights = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, Linear)}
     # A quantized CPU model keeps its embedding table in the checkpoint's encoding (layers/embedding.py).
     packed_embedding = dev.type == "cpu" and (quantization in kernels.QUANTIZED or quantization == MIXED)
-    # "mixed": the linears whose checkpoint tensors are all 4-bit (these names) get w4a8, the others w8a8
-    four_bit: set[str] = set()
-    q4k: dict[str, kernels.W4Fields] = {}  # linear weights held as their stored Q4_K blocks (w4a8)
+    # "mixed": a linear's format follows the GGUF storage types of its checkpoint tensors (_format_of)
+    storage: dict[str, str] = {}  # our weight name -> its GGUF storage type
+    stored: dict[str, tuple] = {}  # linear weights whose stored Q4_K / Q6_K blocks a format holds exactly
     mapped = _mapped_names(fam, names)
     embed_sources = {n for n, ours in mapped.items() if "embed_tokens.weight" in ours} if packed_embedding else set()
     tied = not any("lm_head.weight" in ours for ours in mapped.values())
@@ -344,8 +344,8 @@ def _convert(path: Path, dtype: str, device: str, max_model_len: int | None, qua
     done: set[str] = set()
     with _progress(len(names), desc or f"Loading {path.name}") as bar:
         for name in names:
-            if is_gguf and gguf.tensor_type(name) in FOUR_BIT_GGUF:
-                four_bit.update(mapped[name])
+            if is_gguf:
+                storage.update(dict.fromkeys(mapped[name], gguf.tensor_type(name)))
             if name in embed_sources:
                 encoding, table = raw(name)
                 if table.shape[0] != args.vocab_size or (encoding == DENSE and tuple(table.shape) != (
@@ -357,7 +357,7 @@ def _convert(path: Path, dtype: str, device: str, max_model_len: int | None, qua
                 done.add("embed_tokens.weight")
                 if tied:  # the head is the same table at full precision, packed
                     head = [t for o, t in FAMILIES[fam].map_weight(name, load(name)) if o == "embed_tokens.weight"]
-                    _pack_head(model, head[0].to(target_dtype), _format_of("lm_head", quantization, four_bit,
+                    _pack_head(model, head[0].to(target_dtype), _format_of("lm_head", quantization, storage,
                                                                            "embed_tokens.weight"))
                     done.add("lm_head.weight")
                 bar.update(1)
@@ -372,21 +372,23 @@ def _convert(path: Path, dtype: str, device: str, max_model_len: int | None, qua
                 keep = target_dtype if (dev.type != "cpu" or ours in linear_weights) else torch.float32
                 t = t.to(device=dev, dtype=keep)
                 done.add(ours)
+                fields = None
+                if (is_gguf and dev.type == "cpu" and len(mapped[name]) == 1
+                        and (ours in linear_weights or ours == "lm_head.weight")
+                        and (quantization == MIXED or (quantization == "w4a8" and gguf.tensor_type(name) == "Q4_K"))):
+                    fields = _stored_fields(gguf, name, t)
                 if ours == "lm_head.weight" and dev.type == "cpu":  # packed now: never held at full precision
-                    _pack_head(model, t, _format_of("lm_head", quantization, four_bit))
+                    _pack_head(model, t, _format_of("lm_head", quantization, storage), fields)
                     continue
                 loaded[ours] = t
-                if (is_gguf and dev.type == "cpu" and quantization in ("w4a8", MIXED) and ours in linear_weights
-                        and len(mapped[name]) == 1 and gguf.tensor_type(name) == "Q4_K"):
-                    fields = _q4k_fields(gguf, name, t)
-                    if fields is not None:
-                        q4k[ours] = fields
+                if fields is not None:
+                    stored[ours] = fields
                 i = layer_of.get(ours)
                 if i is not None and i in pending:
                     pending[i].discard(ours)
                     if not pending[i]:
                         del pending[i]
-                        _finish_layer(model, i, loaded, quantization, four_bit, q4k)
+                        _finish_layer(model, i, loaded, quantization, storage, stored)
             bar.update(1)
     if is_gguf:
         gguf.close()
@@ -401,17 +403,22 @@ def _convert(path: Path, dtype: str, device: str, max_model_len: int | None, qua
     _finish_model(model, args, max_model_len, dev)
     for m in model.modules():
         if isinstance(m, Linear) and m.packed is None and m.weight is not None:  # the head; layers are done
-            m.prepare(_format_of("lm_head", quantization, four_bit, "embed_tokens.weight"))
+            m.prepare(_format_of("lm_head", quantization, storage, "embed_tokens.weight"))
     return LoadedModel(model, config, path, is_gguf, max_model_len)
 
 
-def _pack_head(model: CausalLM, weight: torch.Tensor, quantization: str | None) -> None:
+def _pack_head(model: CausalLM, weight: torch.Tensor, fmt: str | None, fields: tuple | None = None) -> None:
     model.lm_head.weight = nn.Parameter(weight, requires_grad=False)
-    model.lm_head.prepare(quantization)
+    packed = _pack_stored(fmt, [fields], weight.shape[1]) if fields is not None else None
+    if packed is not None:
+        model.lm_head.set_packed(packed)
+    else:
+        model.lm_head.prepare(fmt)
 
 
 # GGUF storage types of 4 bits or fewer per weight: under quantization="mixed" their linears become w4a8, whose
-# affine blocks hold a Q4_K block as stored; wider types (Q5_K, Q6_K, Q8_0, F16, ...) become w8a8.
+# affine blocks hold a Q4_K block as stored; Q6_K ones become w6a8, which holds a Q6_K block as stored; other
+# types (Q5_K, Q8_0, F16, ...) and linears that fuse tensors of different types become w8a8.
 FOUR_BIT_GGUF = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS",
                            "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M"})
 MIXED = "mixed"
@@ -424,45 +431,69 @@ def _parts(module: str) -> list[str]:
     return [f"{prefix}.{p}.weight" if prefix else f"{p}.weight" for p in _FUSED.get(last, (last,))]
 
 
-def _format_of(module: str, quantization: str | None, four_bit: set[str], source: str | None = None) -> str | None:
+def _format_of(module: str, quantization: str | None, storage: dict[str, str], source: str | None = None
+               ) -> str | None:
     """The weight format of linear ``module`` (our name; a fused one stands for its parts): ``quantization``, or
-    under "mixed" w4a8 where every part's checkpoint tensor (``source``, else the module's weight) is 4-bit."""
+    under "mixed" the one its parts' GGUF storage types (``storage``; ``source``, else the module's weights) call
+    for: w4a8 where all are 4-bit, w6a8 where all are Q6_K, else w8a8."""
     if quantization != MIXED:
         return quantization
-    parts = [source] if source else _parts(module)
-    return "w4a8" if all(p in four_bit for p in parts) else "w8a8"
+    kinds = {storage.get(p) for p in ([source] if source else _parts(module))}
+    if kinds <= FOUR_BIT_GGUF:
+        return "w4a8"
+    return "w6a8" if kinds == {"Q6_K"} else "w8a8"
 
 
-def _q4k_fields(gguf, name: str, t: torch.Tensor) -> "kernels.W4Fields | None":
-    """The stored Q4_K blocks of checkpoint tensor ``name`` as w4a8 fields, if they are exactly ``t`` (our
-    tensor: a name mapping may reorder rows): a w4a8 linear then holds the file's weights, not a re-fit."""
+# The GGUF types a format holds exactly as stored: its fields' type, blocks -> fields, fields -> float weights.
+_STORED = {"Q4_K": (kernels.W4Fields, kernels.q4k_fields, kernels.w4_weights),
+           "Q6_K": (kernels.W6Fields, kernels.q6k_fields, kernels.w6_weights)}
+_PACK = {kernels.W4Fields: ("w4a8", kernels.pack_w4), kernels.W6Fields: ("w6a8", kernels.pack_w6)}
+
+
+def _stored_fields(gguf, name: str, t: torch.Tensor) -> tuple | None:
+    """The stored blocks of checkpoint tensor ``name`` as the fields of the format that holds its GGUF type
+    (_STORED), if they are exactly ``t`` (our tensor: a name mapping may reorder rows): the linear then holds
+    the file's weights, not a re-fit."""
     try:
         kind, blocks = gguf.raw_rows(name)
     except ValueError:  # not a plain 2-D table
         return None
-    if kind != "Q4_K" or t.dim() != 2 or t.shape[1] % 256 or blocks.shape[0] != t.shape[0]:
+    if kind not in _STORED or t.dim() != 2 or t.shape[1] % 256 or blocks.shape[0] != t.shape[0]:
         return None
-    fields = kernels.q4k_fields(blocks, t.shape[1])
-    return fields if torch.equal(kernels.w4_weights(fields, t.shape[1]), t.float()) else None
+    _, fields_of, weights_of = _STORED[kind]
+    fields = fields_of(blocks, t.shape[1])
+    return fields if torch.equal(weights_of(fields, t.shape[1]), t.float()) else None
+
+
+def _pack_stored(fmt: str | None, fields: list, K: int) -> "kernels.PackedLinear | None":
+    """Format ``fmt`` packed from the stored fields of a linear's parts (in order), if they are that format's."""
+    kind = type(fields[0])
+    if any(type(f) is not kind for f in fields) or _PACK[kind][0] != fmt:
+        return None
+    return _PACK[kind][1](kind(*(torch.cat(t) for t in zip(*fields))), K)
 
 
 def _finish_layer(model: CausalLM, i: int, loaded: dict[str, torch.Tensor], quantization: str | None,
-                  four_bit: set[str] = frozenset(), q4k: dict | None = None) -> None:
-    """Assign layer i's tensors (taken out of ``loaded``), fuse its projections and pack its linears (w4a8 ones
-    whose weights are all stored Q4_K blocks, ``q4k``, from those blocks as they are)."""
+                  storage: dict[str, str] | None = None, stored: dict | None = None) -> None:
+    """Assign layer i's tensors (taken out of ``loaded``), fuse its projections and pack its linears (those
+    whose weights are all stored blocks of their format's GGUF type, ``stored``, from those blocks as they
+    are)."""
     prefix = f"layers.{i}."
     state = {n[len(prefix):]: loaded.pop(n) for n in [n for n in loaded if n.startswith(prefix)]}
     layer = model.layers[i]
     layer.load_state_dict(state, strict=True, assign=True)
     layer.fuse_projections()
-    q4k = {} if q4k is None else q4k
+    storage = {} if storage is None else storage
+    stored = {} if stored is None else stored
     for name, m in layer.named_modules():
         if isinstance(m, Linear):
-            fmt = _format_of(f"{prefix}{name}", quantization, four_bit)
+            fmt = _format_of(f"{prefix}{name}", quantization, storage)
             parts = _parts(f"{prefix}{name}")
-            if fmt == "w4a8" and m.weight.device.type == "cpu" and all(p in q4k for p in parts):
-                fields = [q4k.pop(p) for p in parts]
-                m.set_packed(kernels.pack_w4(kernels.W4Fields.cat(fields), m.in_features))
+            packed = None
+            if m.weight.device.type == "cpu" and all(p in stored for p in parts):
+                packed = _pack_stored(fmt, [stored.pop(p) for p in parts], m.in_features)
+            if packed is not None:
+                m.set_packed(packed)
             else:
                 m.prepare(fmt)
 

@@ -60,7 +60,8 @@ class Formatter(argparse.HelpFormatter):
         return super()._fill_text(text, width, indent)
 
 
-OPT_OUTS = ("The defaults are the 'fast' preset: int8 target (w8a8), 4-bit draft (w4a8), prompt lookup first, "
+OPT_OUTS = ("The defaults are the 'fast' preset: a target in the GGUF's own 4- and 6-bit blocks (-q mixed), 4-bit "
+            "draft (w4a8), prompt lookup first, "
             "adaptive k, truncated draft head. Opt out part by part: -q none (full precision), --spec-type none "
             "(no speculation), --no-adaptive, --no-ngram-first, --draft-vocab-size 0; --draft K fixes k")
 
