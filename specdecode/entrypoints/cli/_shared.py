@@ -57,11 +57,17 @@ class Formatter(argparse.HelpFormatter):
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         if "\n" in text:
             return "".join(indent + line for line in text.splitlines(keepends=True))
-        return super()._fill_text(text, width, indent)
+        import re
+        import textwrap
+        # A flag and its value (-q none, --draft K) stay on one line, and a flag is never cut at its hyphens, so
+        # every opt-out the text names can be copied from it (textwrap breaks at ASCII whitespace only).
+        glued = re.sub(r"(?<!\S)(-[\w-]+) (\S+)", "\\1\xa0\\2", " ".join(text.split()))
+        return textwrap.fill(glued, width, initial_indent=indent, subsequent_indent=indent,
+                             break_on_hyphens=False).replace("\xa0", " ")
 
 
-OPT_OUTS = ("The defaults are the 'fast' preset: a target in the GGUF's own 4- and 6-bit blocks (-q mixed), 4-bit "
-            "draft (w4a8), prompt lookup first, "
+OPT_OUTS = ("The defaults are the 'fast' preset: mixed target (a GGUF's Q4_K / Q6_K blocks as stored, else w8a8), "
+            "4-bit draft (w4a8), prompt lookup first, "
             "adaptive k, truncated draft head. Opt out part by part: -q none (full precision), --spec-type none "
             "(no speculation), --no-adaptive, --no-ngram-first, --draft-vocab-size 0; --draft K fixes k")
 
