@@ -268,8 +268,9 @@ def draft_path() -> Path:
         pytest.skip(str(e))
 
 
-def slice_gguf(src: Path, dst: Path, layers: int, vocab: int) -> Path:
-    """A smaller copy of a real GGUF: the first ``layers`` blocks and ``vocab`` embedding rows, bytes unchanged.
+def slice_gguf(src: Path, dst: Path, layers: int, vocab: int, drop: tuple[str, ...] = ()) -> Path:
+    """A smaller copy of a real GGUF: the first ``layers`` blocks and ``vocab`` embedding rows, bytes unchanged
+    (without the tensors named in ``drop``).
 
     Quantized rows are self-contained, so the sliced tensors hold exactly the original quantized values, and
     transformers can load the copy in seconds instead of minutes.
@@ -294,7 +295,7 @@ def slice_gguf(src: Path, dst: Path, layers: int, vocab: int) -> Path:
     for key in ("bos", "eos"):
         w.add_uint32(f"tokenizer.ggml.{key}_token_id", meta[f"tokenizer.ggml.{key}_token_id"])
     for name, ref in refs.items():
-        if name.startswith("blk.") and int(name.split(".")[1]) >= layers:
+        if (name.startswith("blk.") and int(name.split(".")[1]) >= layers) or name in drop:
             continue
         qtype = gguf.GGMLQuantizationType(ref.qtype)
         block, type_size = gguf.GGML_QUANT_SIZES[qtype]
@@ -437,3 +438,19 @@ def test_mixed_quantization_follows_the_gguf_storage_types(tmp_path):
     assert g.tensor_type("lm_head.weight") == "Q6_K" and model.lm_head.packed.fmt == "w6a8"
     assert torch.equal(kernels.dequantize(model.lm_head.packed), g.load_tensor("lm_head.weight"))
     assert all(m.packed.fmt in ("w4a8", "w6a8", "w8a8") for m in model.modules() if isinstance(m, Linear))
+
+
+def test_a_tied_head_holds_the_embeddings_stored_blocks(tmp_path):
+    """A GGUF without output.weight ties the head to the embedding table: under "mixed" the head takes the
+    table's own blocks (Q4_K here), exactly, as an untied head would."""
+    from specdecode.layers import kernels
+    from specdecode.models.default_models import default_model_path
+    from specdecode.models.loader import load_model
+
+    path = slice_gguf(default_model_path("target"), tmp_path / "tied.gguf", layers=1, vocab=2048,
+                      drop=("output.weight",))
+    g = read_gguf(path)
+    assert g.tensor_type("model.embed_tokens.weight") == "Q4_K" and "lm_head.weight" not in g.tensor_names()
+    model = load_model(path, "auto", "cpu", 64, "mixed", packed_cache=False).model
+    assert model.lm_head.packed.fmt == "w4a8"
+    assert torch.equal(kernels.dequantize(model.lm_head.packed), g.load_tensor("model.embed_tokens.weight"))

@@ -340,6 +340,14 @@ def _convert(path: Path, dtype: str, device: str, max_model_len: int | None, qua
     # than about one layer at full precision (checkpoints store tensors layer by layer); the head and the
     # embedding are packed as soon as they arrive.
     layer_of = {n: int(n.split(".")[1]) for n in params if n.startswith("layers.")}
+
+    def stored_fields(name: str, t: torch.Tensor) -> tuple | None:
+        """The stored blocks of GGUF tensor ``name`` as the fields of a format that may hold them (_STORED)."""
+        if not (is_gguf and dev.type == "cpu" and (quantization == MIXED or (
+                quantization == "w4a8" and gguf.tensor_type(name) == "Q4_K"))):
+            return None
+        return _stored_fields(gguf, name, t)
+
     pending = {i: {n for n, j in layer_of.items() if j == i} for i in set(layer_of.values())}
     done: set[str] = set()
     with _progress(len(names), desc or f"Loading {path.name}") as bar:
@@ -355,10 +363,11 @@ def _convert(path: Path, dtype: str, device: str, max_model_len: int | None, qua
                                      "belong together.")
                 model.embed_tokens = PackedEmbedding(table, encoding, args.vocab_size, args.hidden_size)
                 done.add("embed_tokens.weight")
-                if tied:  # the head is the same table at full precision, packed
+                if tied:  # the head is the same table at full precision, packed (from its blocks if stored)
                     head = [t for o, t in FAMILIES[fam].map_weight(name, load(name)) if o == "embed_tokens.weight"]
                     _pack_head(model, head[0].to(target_dtype), _format_of("lm_head", quantization, storage,
-                                                                           "embed_tokens.weight"))
+                                                                           "embed_tokens.weight"),
+                               stored_fields(name, head[0]) if len(mapped[name]) == 1 else None)
                     done.add("lm_head.weight")
                 bar.update(1)
                 continue
@@ -373,10 +382,8 @@ def _convert(path: Path, dtype: str, device: str, max_model_len: int | None, qua
                 t = t.to(device=dev, dtype=keep)
                 done.add(ours)
                 fields = None
-                if (is_gguf and dev.type == "cpu" and len(mapped[name]) == 1
-                        and (ours in linear_weights or ours == "lm_head.weight")
-                        and (quantization == MIXED or (quantization == "w4a8" and gguf.tensor_type(name) == "Q4_K"))):
-                    fields = _stored_fields(gguf, name, t)
+                if len(mapped[name]) == 1 and (ours in linear_weights or ours == "lm_head.weight"):
+                    fields = stored_fields(name, t)
                 if ours == "lm_head.weight" and dev.type == "cpu":  # packed now: never held at full precision
                     _pack_head(model, t, _format_of("lm_head", quantization, storage), fields)
                     continue
