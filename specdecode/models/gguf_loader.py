@@ -94,7 +94,9 @@ class GGUFModel:
                              "which the installed gguf package cannot dequantize; upgrade gguf or re-quantize the "
                              "model to a common type (Q4_K_M, Q8_0, F16).") from None
         t = flat.reshape(tuple(reversed(ref.dims)))
-        return t if ref.transform is None else ref.transform(t).contiguous()
+        t = t if ref.transform is None else ref.transform(t).contiguous()
+        self._release(ref)
+        return t
 
     def raw_rows(self, hf_name: str) -> tuple[str, torch.Tensor]:
         """A 2-D tensor as stored, copied out of the file: ("dense", a float [rows, row_len] tensor) for F32, F16
@@ -111,11 +113,20 @@ class GGUFModel:
         block, type_size = GGML_QUANT_SIZES[qt]
         rows, row_bytes = ref.dims[1], ref.dims[0] // block * type_size
         raw = torch.from_numpy(np.frombuffer(self._mm, dtype=np.uint8, count=ref.nbytes, offset=ref.offset).copy())
+        self._release(ref)
         dense = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16,
                  GGMLQuantizationType.BF16: torch.bfloat16}.get(qt)
         if dense is not None:
             return "dense", raw.view(dense).reshape(rows, ref.dims[0])
         return qt.name, raw.reshape(rows, row_bytes)
+
+    def _release(self, ref: _TensorRef) -> None:
+        """Drop the tensor's pages from this process (a conversion reads each tensor once; without this the whole
+        file would stay resident beside the converted weights). The map stays valid: a view into it (an F32
+        tensor) reads the pages back from the file."""
+        if hasattr(self._mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            lo = ref.offset - ref.offset % mmap.PAGESIZE
+            self._mm.madvise(mmap.MADV_DONTNEED, lo, ref.offset + ref.nbytes - lo)
 
     def close(self) -> None:
         if self._mm is not None:

@@ -467,9 +467,17 @@ def _stored_fields(gguf, name: str, t: torch.Tensor) -> tuple | None:
         return None
     if kind not in _STORED or t.dim() != 2 or t.shape[1] % 256 or blocks.shape[0] != t.shape[0]:
         return None
-    _, fields_of, weights_of = _STORED[kind]
-    fields = fields_of(blocks, t.shape[1])
-    return fields if torch.equal(weights_of(fields, t.shape[1]), t.float()) else None
+    fields_type, fields_of, weights_of = _STORED[kind]
+    parts = []
+    for n0 in range(0, t.shape[0], _CHECK_ROWS):  # in slices: a 150k-row head's float copies would cost GBs
+        f = fields_of(blocks[n0:n0 + _CHECK_ROWS], t.shape[1])
+        if not torch.equal(weights_of(f, t.shape[1]), t[n0:n0 + _CHECK_ROWS].float()):
+            return None
+        parts.append(f)
+    return fields_type(*(torch.cat(x) for x in zip(*parts)))
+
+
+_CHECK_ROWS = 4096
 
 
 def _pack_stored(fmt: str | None, fields: list, K: int) -> "kernels.PackedLinear | None":
