@@ -96,6 +96,26 @@ def test_hit_is_bitwise_the_cold_load(tiny_models, cache, monkeypatch, family, d
     assert not list((cache / "packed").glob("*.tmp-*"))
 
 
+def test_an_entry_that_reads_back_wrong_is_not_kept_and_the_model_still_loads(tiny_models, cache, monkeypatch,
+                                                                              warnings_seen):
+    """The converted weights are freed once written (before the read-back, so a first run never holds both);
+    if the read-back then fails, the entry is deleted and the checkpoint converted again, uncached."""
+    path = tiny_models["qwen2"]
+    cold = _logits(load_model(path, "auto", "cpu", None, "w8a8", packed_cache=False))
+    real = pc.read_entry
+
+    def bad(p, key):
+        if ".tmp-" in p.name:
+            raise pc.CorruptEntry("a flipped bit")
+        return real(p, key)
+
+    monkeypatch.setattr(pc, "read_entry", bad)
+    loaded = load_model(path, "auto", "cpu", None, "w8a8")
+    assert _same(cold, _logits(loaded))
+    assert not _entries(cache) and not list((cache / "packed").glob("*.tmp-*"))
+    assert any("read back differs" in m for m in warnings_seen)
+
+
 def test_quantized_embedding_keeps_the_checkpoint_encoding(tiny_models, cache):
     """A quantized model looks its embedding rows up in the stored table; they are the dense rows bitwise."""
     path = tiny_models["llama"]

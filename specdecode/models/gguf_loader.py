@@ -98,6 +98,10 @@ class GGUFModel:
         self._release(ref)
         return t
 
+    def row_length(self, hf_name: str) -> int:
+        """Values per row (the innermost axis) of a tensor as stored."""
+        return self._ref(hf_name).dims[0]
+
     def raw_rows(self, hf_name: str) -> tuple[str, torch.Tensor]:
         """A 2-D tensor as stored, copied out of the file: ("dense", a float [rows, row_len] tensor) for F32, F16
         and BF16, else (GGML type name, uint8 [rows, row_bytes] blocks). ``load_tensor`` is the same data

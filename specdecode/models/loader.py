@@ -144,13 +144,32 @@ def _convert_and_store(path: Path, dtype: str, device: str, max_model_len: int |
     notice(f"specdecode: converting {path.name} to {fmt} once; later runs map the result from {final.parent}")
     loaded = _convert(path, dtype, device, max_model_len, quantization, f"Converting {path.name} to {fmt}")
     meta, tensors, lazy = _packed_state(loaded)
+    keep = [loaded]
+    del loaded
+
+    def drop() -> None:  # the file holds the weights now: free them before it is read back
+        keep.clear()
+        tensors.clear()
+        _release_heap()
+
     try:
-        return pc.write_entry(final, key, meta, tensors, lazy)
+        return pc.write_entry(final, key, meta, tensors, lazy, before_verify=drop)
     except OSError as e:
         logger.warning("Could not write the packed-weight cache entry %s (%s); using the converted model without "
                        "caching it. Set SPECDECODE_CACHE to a writable directory with free space.", final,
                        e.strerror or e)
-        return loaded
+        return keep[0] if keep else _convert(path, dtype, device, max_model_len, quantization)
+
+
+def _release_heap() -> None:
+    """Hand the memory the conversion freed back to the system: glibc keeps freed heap pages for reuse, and
+    a first run would otherwise carry them (hundreds of MB) beside the mapped weights."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 class _BadEntry(Exception):
@@ -371,6 +390,11 @@ def _convert(path: Path, dtype: str, device: str, max_model_len: int | None, qua
                     done.add("lm_head.weight")
                 bar.update(1)
                 continue
+            if dev.type == "cpu" and mapped.get(name) == ["lm_head.weight"] and _head_from_blocks(
+                    model, args, stored_fields(name, None), _format_of("lm_head", quantization, storage)):
+                done.add("lm_head.weight")  # never dequantized: a 150k-row head in float32 takes about 1 GB
+                bar.update(1)
+                continue
             for ours, t in FAMILIES[fam].map_weight(name, load(name)):
                 if ours not in params:
                     continue
@@ -412,6 +436,16 @@ def _convert(path: Path, dtype: str, device: str, max_model_len: int | None, qua
         if isinstance(m, Linear) and m.packed is None and m.weight is not None:  # the head; layers are done
             m.prepare(_format_of("lm_head", quantization, storage, "embed_tokens.weight"))
     return LoadedModel(model, config, path, is_gguf, max_model_len)
+
+
+def _head_from_blocks(model: CausalLM, args, fields: tuple | None, fmt: str | None) -> bool:
+    """Pack the head straight from its stored blocks' fields, if it has them and they suit ``fmt``."""
+    if fields is None or tuple(fields.u.shape) != (args.vocab_size, args.hidden_size):
+        return False
+    packed = _pack_stored(fmt, [fields], args.hidden_size)
+    if packed is not None:
+        model.lm_head.set_packed(packed)
+    return packed is not None
 
 
 def _pack_head(model: CausalLM, weight: torch.Tensor, fmt: str | None, fields: tuple | None = None) -> None:
@@ -457,21 +491,29 @@ _STORED = {"Q4_K": (kernels.W4Fields, kernels.q4k_fields, kernels.w4_weights),
 _PACK = {kernels.W4Fields: ("w4a8", kernels.pack_w4), kernels.W6Fields: ("w6a8", kernels.pack_w6)}
 
 
-def _stored_fields(gguf, name: str, t: torch.Tensor) -> tuple | None:
+def _stored_fields(gguf, name: str, t: torch.Tensor | None) -> tuple | None:
     """The stored blocks of checkpoint tensor ``name`` as the fields of the format that holds its GGUF type
-    (_STORED), if they are exactly ``t`` (our tensor: a name mapping may reorder rows): the linear then holds
-    the file's weights, not a re-fit."""
+    (_STORED), if they are exactly ``t`` (our tensor: a name mapping may reorder rows), or with ``t`` None
+    exactly the file's own dequantization of them: the linear then holds the file's weights, not a re-fit."""
+    from gguf import GGMLQuantizationType
+
+    from specdecode.models.gguf_loader import dequantize
+
     try:
         kind, blocks = gguf.raw_rows(name)
     except ValueError:  # not a plain 2-D table
         return None
-    if kind not in _STORED or t.dim() != 2 or t.shape[1] % 256 or blocks.shape[0] != t.shape[0]:
+    K = gguf.row_length(name)
+    if kind not in _STORED or K % 256 or (t is not None and (t.dim() != 2 or tuple(t.shape) != (blocks.shape[0], K))):
         return None
     fields_type, fields_of, weights_of = _STORED[kind]
     parts = []
-    for n0 in range(0, t.shape[0], _CHECK_ROWS):  # in slices: a 150k-row head's float copies would cost GBs
-        f = fields_of(blocks[n0:n0 + _CHECK_ROWS], t.shape[1])
-        if not torch.equal(weights_of(f, t.shape[1]), t[n0:n0 + _CHECK_ROWS].float()):
+    for n0 in range(0, blocks.shape[0], _CHECK_ROWS):  # in slices: a 150k-row head's float copies cost GBs
+        rows = blocks[n0:n0 + _CHECK_ROWS]
+        want = (t[n0:n0 + _CHECK_ROWS].float() if t is not None else
+                dequantize(rows.numpy().reshape(-1), GGMLQuantizationType[kind], K).view(len(rows), K))
+        f = fields_of(rows, K)
+        if not torch.equal(weights_of(f, K), want):
             return None
         parts.append(f)
     return fields_type(*(torch.cat(x) for x in zip(*parts)))

@@ -34,7 +34,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -153,10 +153,11 @@ def _file_words_sum(fd: int, offset: int, nbytes: int) -> int:
 
 # ---------------------------------------------------------------------------------------------------- writing
 def write_entry(final: Path, key: dict, meta: dict, tensors: dict[str, torch.Tensor],
-                lazy: Iterable[str] = ()) -> Entry:
+                lazy: Iterable[str] = (), before_verify: Callable[[], None] | None = None) -> Entry:
     """Write ``tensors`` (name -> CPU tensor) and ``meta`` (JSON-able) as the entry ``final``, verify it and
     return it opened. ``lazy`` tensors are read sparsely (e.g. an embedding table): their checksum is checked
-    through file reads so that checking does not make all of their pages resident. Raises OSError on I/O
+    through file reads so that checking does not make all of their pages resident. ``before_verify`` runs once
+    the bytes are on disk, before they are read back (a caller frees its copy there). Raises OSError on I/O
     failure (nothing is left behind)."""
     lazy = set(lazy)
     records, offset = [], 0
@@ -189,6 +190,8 @@ def write_entry(final: Path, key: dict, meta: dict, tensors: dict[str, torch.Ten
             f.truncate(header["file_size"])
             f.flush()
             os.fsync(f.fileno())
+        if before_verify is not None:
+            before_verify()
         entry = read_entry(tmp, key)  # read back what is on disk before anyone can see it
         os.replace(tmp, final)
     except CorruptEntry as e:
