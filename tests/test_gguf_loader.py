@@ -440,6 +440,22 @@ def test_mixed_quantization_follows_the_gguf_storage_types(tmp_path):
     assert all(m.packed.fmt in ("w4a8", "w6a8", "w8a8") for m in model.modules() if isinstance(m, Linear))
 
 
+@pytest.mark.parametrize("quantization", ["w4a8", "w8a8", "mixed"])
+def test_a_quantized_head_is_packed_slice_by_slice_to_the_same_bytes(tmp_path, quantization):
+    """The default draft's Q8_0 head is decoded and packed a slice of rows at a time (its float32 copy would be
+    the largest allocation of a first run): the bytes are those of packing the whole decoded head."""
+    from specdecode.layers.linear import pack_in_chunks
+    from specdecode.models.loader import load_model
+
+    path = slice_gguf(draft_path(), tmp_path / "draft.gguf", layers=1, vocab=20000)
+    g = read_gguf(path)
+    assert g.tensor_type("lm_head.weight") == "Q8_0"
+    packed = load_model(path, "auto", "cpu", 64, quantization, packed_cache=False).model.lm_head.packed
+    whole = pack_in_chunks(g.load_tensor("lm_head.weight"), packed.fmt)
+    assert packed.fmt == ("w8a8" if quantization == "mixed" else quantization)
+    assert torch.equal(packed.weight, whole.weight) and torch.equal(packed.scale, whole.scale)
+
+
 def test_a_tied_head_holds_the_embeddings_stored_blocks(tmp_path):
     """A GGUF without output.weight ties the head to the embedding table: under "mixed" the head takes the
     table's own blocks (Q4_K here), exactly, as an untied head would."""

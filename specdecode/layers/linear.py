@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -42,6 +43,15 @@ def pack_in_chunks(weight: torch.Tensor, fmt: str, rows: int = PACK_ROWS) -> ker
     N, K = weight.shape
     if N <= rows or fmt == "fp32":
         return kernels.pack_linear(weight, fmt)
+    return pack_row_slices(lambda n0, n1: weight[n0:n1], N, K, fmt, rows)
+
+
+def pack_row_slices(rows_of: Callable[[int, int], torch.Tensor], N: int, K: int, fmt: str,
+                    rows: int = PACK_ROWS) -> kernels.PackedLinear:
+    """``pack_in_chunks`` of a ``[N, K]`` weight given a slice at a time (``rows_of(n0, n1)``: rows [n0, n1)), so
+    that the whole weight need never exist at full precision (a GGUF head decoded slice by slice)."""
+    if fmt == "fp32":
+        raise ValueError("pack_row_slices: fp32 weights are used as they are, not packed")
     if rows % kernels.W8A8_GROUP:
         raise ValueError(f"pack_in_chunks: rows must be a multiple of {kernels.W8A8_GROUP}")
     grouped = fmt in kernels.INT_ACTS  # leading dim counts 16-channel groups, not channels
@@ -49,7 +59,7 @@ def pack_in_chunks(weight: torch.Tensor, fmt: str, rows: int = PACK_ROWS) -> ker
     s_unit = unit if fmt in ("w4a8", "w6a8") else 1  # their codes and units are per group too; other scales per channel
     weight_out = scale_out = None
     for n0 in range(0, N, rows):
-        part = kernels.pack_linear(weight[n0:n0 + rows], fmt)
+        part = kernels.pack_linear(rows_of(n0, min(N, n0 + rows)), fmt)
         if weight_out is None:
             weight_out = part.weight.new_empty((-(-N // unit), *part.weight.shape[1:]))
             if part.scale is not None:

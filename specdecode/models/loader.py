@@ -15,7 +15,7 @@ from torch.utils._device import DeviceContext
 
 from specdecode.layers import kernels
 from specdecode.layers.embedding import DENSE, PackedEmbedding
-from specdecode.layers.linear import Linear
+from specdecode.layers.linear import Linear, pack_row_slices
 from specdecode.layers.rotary import Rotary
 from specdecode.models import packed_cache as pc
 from specdecode.models.default_models import notice
@@ -390,9 +390,12 @@ def _convert(path: Path, dtype: str, device: str, max_model_len: int | None, qua
                     done.add("lm_head.weight")
                 bar.update(1)
                 continue
-            if dev.type == "cpu" and mapped.get(name) == ["lm_head.weight"] and _head_from_blocks(
-                    model, args, stored_fields(name, None), _format_of("lm_head", quantization, storage)):
-                done.add("lm_head.weight")  # never dequantized: a 150k-row head in float32 takes about 1 GB
+            if dev.type == "cpu" and mapped.get(name) == ["lm_head.weight"] and (
+                    _head_from_blocks(model, args, stored_fields(name, None),
+                                      _format_of("lm_head", quantization, storage))
+                    or (is_gguf and _head_in_slices(model, args, gguf, name,
+                                                    _format_of("lm_head", quantization, storage)))):
+                done.add("lm_head.weight")  # never whole in float32: a 150k-row head takes about 1 GB there
                 bar.update(1)
                 continue
             for ours, t in FAMILIES[fam].map_weight(name, load(name)):
@@ -446,6 +449,28 @@ def _head_from_blocks(model: CausalLM, args, fields: tuple | None, fmt: str | No
     if packed is not None:
         model.lm_head.set_packed(packed)
     return packed is not None
+
+
+def _head_in_slices(model: CausalLM, args, gguf, name: str, fmt: str | None) -> bool:
+    """Pack a quantized GGUF head into ``fmt`` decoding its stored rows a slice at a time, if it is a plain table
+    of the config's shape and ``fmt`` a quantized format (the same bytes as packing it whole)."""
+    from gguf import GGMLQuantizationType
+
+    from specdecode.models.gguf_loader import dequantize
+
+    if fmt not in kernels.QUANTIZED:
+        return False
+    try:
+        kind, rows = gguf.raw_rows(name)
+    except ValueError:  # not a plain 2-D table
+        return False
+    K = gguf.row_length(name)
+    if kind == DENSE or rows.shape[0] != args.vocab_size or K != args.hidden_size:
+        return False
+    qtype = GGMLQuantizationType[kind]
+    model.lm_head.set_packed(pack_row_slices(
+        lambda n0, n1: dequantize(rows[n0:n1].numpy().reshape(-1), qtype, K).view(n1 - n0, K), len(rows), K, fmt))
+    return True
 
 
 def _pack_head(model: CausalLM, weight: torch.Tensor, fmt: str | None, fields: tuple | None = None) -> None:
