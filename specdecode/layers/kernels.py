@@ -269,10 +269,11 @@ class W4Fields(NamedTuple):
     D: torch.Tensor
     Dm: torch.Tensor
 
-    @staticmethod
-    def cat(parts: list["W4Fields"]) -> "W4Fields":
-        """The channels of several weights with the same K, one after another."""
-        return W4Fields(*(torch.cat(t) for t in zip(*parts)))
+
+def cat_fields(parts: list) -> Any:
+    """The channels of several weights with the same K (fields of one format: W4Fields, W6Fields), one after
+    another."""
+    return type(parts[0])(*(torch.cat(t) for t in zip(*parts)))
 
 
 def _w4_scale_bytes(Kp: int) -> int:
@@ -320,9 +321,10 @@ def _w4_units(v: torch.Tensor) -> torch.Tensor:
     return (sup.abs().amax(dim=2) / _W4_CODE_MAX).clamp_(max=65504.0).half()
 
 
-def _w4_per_block(unit: torch.Tensor, nb: int) -> torch.Tensor:
-    """float32 units ``[n, nb]``: each block's unit (8 blocks share one)."""
-    return unit.float().repeat_interleave(W4_SUPER, dim=1)[:, :nb]
+def _w4_per_block(unit: torch.Tensor, nb: int, share: int = W4_SUPER) -> torch.Tensor:
+    """float32 units ``[n, nb]``: each block's unit (``share`` blocks share one: 8 of w4a8's 32, 16 of w6a8's
+    16)."""
+    return unit.float().repeat_interleave(share, dim=1)[:, :nb]
 
 
 def _w4_values(codes: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
@@ -360,7 +362,7 @@ def _quantize_w4(w: torch.Tensor) -> PackedLinear:
         s, o, u = _w4_best(blk, [(_w4_round(gs, D), _w4_round(go, Dm)) for gs, go in grids])
         cs, co = _w4_code_of(s.view(n, nb), D), _w4_code_of(o.view(n, nb), Dm)
         parts.append(W4Fields(u.view(n, Kp).to(torch.uint8), cs, co, D, Dm))
-    return pack_w4(W4Fields.cat(parts), K)
+    return pack_w4(cat_fields(parts), K)
 
 
 def q4k_fields(blocks: torch.Tensor, K: int) -> W4Fields:
@@ -506,7 +508,7 @@ def _quantize_w6(w: torch.Tensor) -> PackedLinear:
         v = h.gather(2, h.abs().argmax(dim=2, keepdim=True)).squeeze(2)  # signed extreme of each 16
         s = -v / 32.0
         D = _w4_units(s.view(n, Kp // ACT_BLOCK, 2).abs().amax(dim=2))  # per 8 blocks, as w4a8's
-        Dh = D.float().repeat_interleave(W4_SUPER * 2, dim=1)[:, :Kp // 16]
+        Dh = _w4_per_block(D, Kp // 16, 2 * W4_SUPER)
         # codes rounded away from zero, so that each 16's extreme stays on its grid (never clipped)
         r = s / torch.where(Dh != 0, Dh, torch.ones_like(Dh))
         sc = torch.where(Dh != 0, r.sign() * r.abs().ceil(), torch.zeros_like(s)).clamp_(-_W4_CODE_MAX, _W4_CODE_MAX)
@@ -514,7 +516,7 @@ def _quantize_w6(w: torch.Tensor) -> PackedLinear:
         u = torch.where(step_h != 0, torch.round(h / torch.where(step_h != 0, step_h, torch.ones_like(step_h))),
                         torch.zeros_like(h)).clamp_(-32, 31) + 32
         parts.append(W6Fields(u.view(n, Kp).to(torch.uint8), sc.to(torch.int8), D))
-    return pack_w6(W6Fields(*(torch.cat(t) for t in zip(*parts))), K)
+    return pack_w6(cat_fields(parts), K)
 
 
 def pack_w6(f: W6Fields, K: int) -> PackedLinear:
@@ -563,7 +565,7 @@ def w6_weights(f: W6Fields, K: int) -> torch.Tensor:
     """float32 ``[N, K]``: ``(D * sc) * (u - 32)`` in float32, as gguf-py's Q6_K dequantization rounds it (the
     kernel takes the integer sums exactly, so its products may differ from these in the last bit)."""
     n = f.u.shape[0]
-    Dh = f.D.float().repeat_interleave(W4_SUPER * 2, dim=1)[:, :f.sc.shape[1]]
+    Dh = _w4_per_block(f.D, f.sc.shape[1], 2 * W4_SUPER)
     w = (Dh * f.sc.float())[:, :, None] * (f.u.float().view(n, -1, 16) - 32.0)
     return w.view(n, -1)[:, :K]
 
