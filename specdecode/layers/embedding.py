@@ -63,10 +63,9 @@ class PackedEmbedding(nn.Module):
         return out.reshape(*ids.shape, self.embedding_dim).to(ids.device)
 
     def _decode(self, flat: torch.Tensor) -> torch.Tensor:
-        from specdecode.models.gguf_loader import dequantize
+        from specdecode.models.gguf_loader import dequantize_rows
 
-        return dequantize(self.table.index_select(0, flat).numpy(), self._qtype,
-                          self.embedding_dim).view(-1, self.embedding_dim)
+        return dequantize_rows(self.table.index_select(0, flat), self._qtype, self.embedding_dim)
 
     def _cached_rows(self, ids: list[int]) -> torch.Tensor:
         """The rows of ``ids``, decoded once (the same function, so the same bits) and kept while recently used."""

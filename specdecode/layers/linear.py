@@ -53,7 +53,7 @@ def pack_row_slices(rows_of: Callable[[int, int], torch.Tensor], N: int, K: int,
     if fmt == "fp32":
         raise ValueError("pack_row_slices: fp32 weights are used as they are, not packed")
     if rows % kernels.W8A8_GROUP:
-        raise ValueError(f"pack_in_chunks: rows must be a multiple of {kernels.W8A8_GROUP}")
+        raise ValueError(f"pack_row_slices: rows must be a multiple of {kernels.W8A8_GROUP}")
     grouped = fmt in kernels.INT_ACTS  # leading dim counts 16-channel groups, not channels
     unit = kernels.W8A8_GROUP if grouped else 1
     s_unit = unit if fmt in ("w4a8", "w6a8") else 1  # their codes and units are per group too; other scales per channel

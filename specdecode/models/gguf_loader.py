@@ -160,6 +160,11 @@ def dequantize(raw: np.ndarray, qtype: int, row_len: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(-1)
 
 
+def dequantize_rows(rows: torch.Tensor, qtype: int, row_len: int) -> torch.Tensor:
+    """float32 ``[n, row_len]``: ``n`` rows as ``GGUFModel.raw_rows`` gives them (uint8 blocks), decoded."""
+    return dequantize(rows.numpy(), qtype, row_len).view(-1, row_len)
+
+
 # ---------------------------------------------------------------------------------------------------- parsing
 class _Cursor:
     def __init__(self, buf: mmap.mmap | bytes, size: int):

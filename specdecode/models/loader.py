@@ -360,12 +360,20 @@ def _convert(path: Path, dtype: str, device: str, max_model_len: int | None, qua
     # embedding are packed as soon as they arrive.
     layer_of = {n: int(n.split(".")[1]) for n in params if n.startswith("layers.")}
 
-    def stored_fields(name: str, t: torch.Tensor) -> tuple | None:
+    def stored_fields(name: str, t: torch.Tensor | None) -> tuple | None:
         """The stored blocks of GGUF tensor ``name`` as the fields of a format that may hold them (_STORED)."""
         if not (is_gguf and dev.type == "cpu" and (quantization == MIXED or (
                 quantization == "w4a8" and gguf.tensor_type(name) == "Q4_K"))):
             return None
         return _stored_fields(gguf, name, t)
+
+    def head_from_file(name: str, fmt: str | None) -> bool:
+        """Pack the head from GGUF tensor ``name``'s stored rows without ever holding it whole in float32 (150k
+        rows take about 1 GB there): from its blocks as stored, else decoded and packed a slice at a time. Only
+        for a float32 target, whose head the float path would pack from the same float32 values."""
+        return (is_gguf and dev.type == "cpu" and target_dtype == torch.float32 and len(mapped[name]) == 1
+                and (_head_from_blocks(model, args, stored_fields(name, None), fmt)
+                     or _head_in_slices(model, args, gguf, name, fmt)))
 
     pending = {i: {n for n, j in layer_of.items() if j == i} for i in set(layer_of.values())}
     done: set[str] = set()
@@ -382,20 +390,17 @@ def _convert(path: Path, dtype: str, device: str, max_model_len: int | None, qua
                                      "belong together.")
                 model.embed_tokens = PackedEmbedding(table, encoding, args.vocab_size, args.hidden_size)
                 done.add("embed_tokens.weight")
-                if tied:  # the head is the same table at full precision, packed (from its blocks if stored)
-                    head = [t for o, t in FAMILIES[fam].map_weight(name, load(name)) if o == "embed_tokens.weight"]
-                    _pack_head(model, head[0].to(target_dtype), _format_of("lm_head", quantization, storage,
-                                                                           "embed_tokens.weight"),
-                               stored_fields(name, head[0]) if len(mapped[name]) == 1 else None)
+                if tied:  # the head is the same table at full precision, packed
+                    fmt = _format_of("lm_head", quantization, storage, "embed_tokens.weight")
+                    if not head_from_file(name, fmt):
+                        head = [t for o, t in FAMILIES[fam].map_weight(name, load(name)) if o == "embed_tokens.weight"]
+                        _pack_head(model, head[0].to(target_dtype), fmt)
                     done.add("lm_head.weight")
                 bar.update(1)
                 continue
-            if dev.type == "cpu" and mapped.get(name) == ["lm_head.weight"] and (
-                    _head_from_blocks(model, args, stored_fields(name, None),
-                                      _format_of("lm_head", quantization, storage))
-                    or (is_gguf and _head_in_slices(model, args, gguf, name,
-                                                    _format_of("lm_head", quantization, storage)))):
-                done.add("lm_head.weight")  # never whole in float32: a 150k-row head takes about 1 GB there
+            if mapped[name] == ["lm_head.weight"] and head_from_file(name,
+                                                                     _format_of("lm_head", quantization, storage)):
+                done.add("lm_head.weight")
                 bar.update(1)
                 continue
             for ours, t in FAMILIES[fam].map_weight(name, load(name)):
@@ -408,13 +413,11 @@ def _convert(path: Path, dtype: str, device: str, max_model_len: int | None, qua
                 keep = target_dtype if (dev.type != "cpu" or ours in linear_weights) else torch.float32
                 t = t.to(device=dev, dtype=keep)
                 done.add(ours)
-                fields = None
-                if len(mapped[name]) == 1 and (ours in linear_weights or ours == "lm_head.weight"):
-                    fields = stored_fields(name, t)
                 if ours == "lm_head.weight" and dev.type == "cpu":  # packed now: never held at full precision
-                    _pack_head(model, t, _format_of("lm_head", quantization, storage), fields)
+                    _pack_head(model, t, _format_of("lm_head", quantization, storage))
                     continue
                 loaded[ours] = t
+                fields = stored_fields(name, t) if len(mapped[name]) == 1 and ours in linear_weights else None
                 if fields is not None:
                     stored[ours] = fields
                 i = layer_of.get(ours)
@@ -456,7 +459,7 @@ def _head_in_slices(model: CausalLM, args, gguf, name: str, fmt: str | None) -> 
     of the config's shape and ``fmt`` a quantized format (the same bytes as packing it whole)."""
     from gguf import GGMLQuantizationType
 
-    from specdecode.models.gguf_loader import dequantize
+    from specdecode.models.gguf_loader import dequantize_rows
 
     if fmt not in kernels.QUANTIZED:
         return False
@@ -468,18 +471,13 @@ def _head_in_slices(model: CausalLM, args, gguf, name: str, fmt: str | None) -> 
     if kind == DENSE or rows.shape[0] != args.vocab_size or K != args.hidden_size:
         return False
     qtype = GGMLQuantizationType[kind]
-    model.lm_head.set_packed(pack_row_slices(
-        lambda n0, n1: dequantize(rows[n0:n1].numpy().reshape(-1), qtype, K).view(n1 - n0, K), len(rows), K, fmt))
+    model.lm_head.set_packed(pack_row_slices(lambda n0, n1: dequantize_rows(rows[n0:n1], qtype, K), len(rows), K, fmt))
     return True
 
 
-def _pack_head(model: CausalLM, weight: torch.Tensor, fmt: str | None, fields: tuple | None = None) -> None:
+def _pack_head(model: CausalLM, weight: torch.Tensor, fmt: str | None) -> None:
     model.lm_head.weight = nn.Parameter(weight, requires_grad=False)
-    packed = _pack_stored(fmt, [fields], weight.shape[1]) if fields is not None else None
-    if packed is not None:
-        model.lm_head.set_packed(packed)
-    else:
-        model.lm_head.prepare(fmt)
+    model.lm_head.prepare(fmt)
 
 
 # GGUF storage types of 4 bits or fewer per weight: under quantization="mixed" their linears become w4a8, whose
@@ -510,9 +508,8 @@ def _format_of(module: str, quantization: str | None, storage: dict[str, str], s
     return "w6a8" if kinds == {"Q6_K"} else "w8a8"
 
 
-# The GGUF types a format holds exactly as stored: its fields' type, blocks -> fields, fields -> float weights.
-_STORED = {"Q4_K": (kernels.W4Fields, kernels.q4k_fields, kernels.w4_weights),
-           "Q6_K": (kernels.W6Fields, kernels.q6k_fields, kernels.w6_weights)}
+# The GGUF types a format holds exactly as stored: blocks -> fields, fields -> float weights.
+_STORED = {"Q4_K": (kernels.q4k_fields, kernels.w4_weights), "Q6_K": (kernels.q6k_fields, kernels.w6_weights)}
 _PACK = {kernels.W4Fields: ("w4a8", kernels.pack_w4), kernels.W6Fields: ("w6a8", kernels.pack_w6)}
 
 
@@ -522,7 +519,7 @@ def _stored_fields(gguf, name: str, t: torch.Tensor | None) -> tuple | None:
     exactly the file's own dequantization of them: the linear then holds the file's weights, not a re-fit."""
     from gguf import GGMLQuantizationType
 
-    from specdecode.models.gguf_loader import dequantize
+    from specdecode.models.gguf_loader import dequantize_rows
 
     try:
         kind, blocks = gguf.raw_rows(name)
@@ -531,17 +528,16 @@ def _stored_fields(gguf, name: str, t: torch.Tensor | None) -> tuple | None:
     K = gguf.row_length(name)
     if kind not in _STORED or K % 256 or (t is not None and (t.dim() != 2 or tuple(t.shape) != (blocks.shape[0], K))):
         return None
-    fields_type, fields_of, weights_of = _STORED[kind]
+    fields_of, weights_of = _STORED[kind]
     parts = []
     for n0 in range(0, blocks.shape[0], _CHECK_ROWS):  # in slices: a 150k-row head's float copies cost GBs
         rows = blocks[n0:n0 + _CHECK_ROWS]
-        want = (t[n0:n0 + _CHECK_ROWS].float() if t is not None else
-                dequantize(rows.numpy().reshape(-1), GGMLQuantizationType[kind], K).view(len(rows), K))
+        want = t[n0:n0 + _CHECK_ROWS].float() if t is not None else dequantize_rows(rows, GGMLQuantizationType[kind], K)
         f = fields_of(rows, K)
         if not torch.equal(weights_of(f, K), want):
             return None
         parts.append(f)
-    return fields_type(*(torch.cat(x) for x in zip(*parts)))
+    return kernels.cat_fields(parts)
 
 
 _CHECK_ROWS = 4096
@@ -552,7 +548,7 @@ def _pack_stored(fmt: str | None, fields: list, K: int) -> "kernels.PackedLinear
     kind = type(fields[0])
     if any(type(f) is not kind for f in fields) or _PACK[kind][0] != fmt:
         return None
-    return _PACK[kind][1](kind(*(torch.cat(t) for t in zip(*fields))), K)
+    return _PACK[kind][1](kernels.cat_fields(fields), K)
 
 
 def _finish_layer(model: CausalLM, i: int, loaded: dict[str, torch.Tensor], quantization: str | None,
