@@ -85,8 +85,11 @@ class SavedTokenizer:
     def convert_ids_to_tokens(self, ids: int | list[int], skip_special_tokens: bool = False):
         if isinstance(ids, int):
             return self._backend.id_to_token(ids)
-        skip = set(self.all_special_ids) if skip_special_tokens else ()
-        return [self._backend.id_to_token(int(i)) for i in ids if int(i) not in skip]
+        ids = map(int, ids)
+        if skip_special_tokens:
+            skip = set(self.all_special_ids)
+            ids = (i for i in ids if i not in skip)
+        return list(map(self._backend.id_to_token, ids))
 
     def convert_tokens_to_ids(self, tokens: str | list[str]):
         if isinstance(tokens, str):

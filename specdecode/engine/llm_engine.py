@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from specdecode import startup
 from specdecode.config import EngineConfig, SpeculativeConfig, check_draft_compatible, speculation_off
 from specdecode.engine.block_pool import BLOCK_SIZE, BlockPool
 from specdecode.engine.kv_cache import KVCache
@@ -96,6 +97,7 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         huge_pages.start(self._quiet)  # weights onto huge pages while no engine here runs or times anything
+        startup.resume()  # a command's start-up is over (startup.py); elsewhere a no-op
 
     def _quiet(self) -> bool:
         """No request to run and no pass being timed: background work (huge_pages) may use the machine."""

@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 
+from specdecode import startup
 from specdecode.entrypoints.cli import bench, chat, generate, serve, token_map
 from specdecode.entrypoints.cli._shared import EXIT_USAGE, CLIError, Formatter, Parser, one_line
 
@@ -36,6 +37,9 @@ examples:
   specdecode options                                                  every option and its spellings
 
 Run 'specdecode COMMAND --help' for the flags of a command."""
+
+
+_LOAD_ENGINE = ("generate", "chat", "serve", "bench")  # the commands whose start-up is an engine load
 
 
 def _options(args) -> int:
@@ -117,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return EXIT_USAGE
         _setup_logging(args.verbose)
+        if args.command in _LOAD_ENGINE:
+            startup.pause()  # until the engine is loaded (startup.py); the finally below is the backstop
         return args.func(args) or 0
     except BrokenPipeError:  # e.g. `specdecode generate ... | head`
         try:
@@ -147,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         _flush_quietly()
         print("\ninterrupted", file=sys.stderr)
         return 130
+    finally:
+        startup.resume()
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specdecode import startup
 from specdecode.engine.async_engine import (AsyncLLMEngine, EngineDeadError, EngineStepError, RequestFailedError,
                                             RequestStream)
 from specdecode.engine.llm_engine import LLMEngine
@@ -939,6 +940,7 @@ def main(argv: list[str] | None = None) -> None:
     add_server_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    startup.pause()  # until the engine is loaded (startup.py)
     run_server(args, args.model)
 
 

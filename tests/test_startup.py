@@ -1,0 +1,79 @@
+"""Start-up runs without the cyclic garbage collector (specdecode/startup.py), and gives it back afterwards."""
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+
+import pytest
+
+from specdecode import LLM, startup
+from specdecode.engine import llm_engine
+from specdecode.entrypoints.cli import main
+
+_COUNT_IMPORT = """
+import gc, sys
+runs = []
+gc.callbacks.append(lambda phase, info: runs.append(1) if phase == "start" else None)
+if sys.argv[1] == "off":
+    gc.disable()
+import specdecode
+print(len(runs), gc.isenabled())
+"""
+
+
+@pytest.mark.parametrize("before", ["on", "off"])
+def test_importing_the_package_runs_no_collection_and_leaves_the_collector_as_it_was(before):
+    p = subprocess.run([sys.executable, "-c", _COUNT_IMPORT, before], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    runs, enabled = p.stdout.split()
+    assert int(runs) <= 2  # importing torch alone runs hundreds of collections with the collector on
+    assert enabled == str(before == "on")
+
+
+@pytest.fixture
+def gc_seen(monkeypatch):
+    """Whether the collector was on while the engine loaded its models and while it ran steps."""
+    seen: dict[str, list[bool]] = {"load": [], "step": []}
+    load, step = llm_engine.load_model, llm_engine.LLMEngine.step
+
+    def loading(*a, **k):
+        seen["load"].append(gc.isenabled())
+        return load(*a, **k)
+
+    def stepping(self):
+        seen["step"].append(gc.isenabled())
+        return step(self)
+
+    monkeypatch.setattr(llm_engine, "load_model", loading)
+    monkeypatch.setattr(llm_engine.LLMEngine, "step", stepping)
+    assert gc.isenabled()
+    yield seen
+    gc.enable()
+
+
+def test_a_command_loads_without_the_collector_and_generates_with_it(tiny_models, gc_seen, capsys):
+    assert main(["generate", "-m", str(tiny_models["llama"]), "-md", "none", "-t", "1", "--raw", "-p", "hi",
+                 "-n", "4"]) == 0
+    assert gc_seen["load"] == [False]
+    assert gc_seen["step"] and all(gc_seen["step"])
+    assert gc.isenabled()
+
+
+def test_a_command_that_fails_before_its_engine_loads_gives_the_collector_back(tiny_models, tmp_path, gc_seen):
+    assert main(["generate", "-m", str(tmp_path / "missing"), "-p", "hi"]) == 2
+    assert gc_seen["load"] == [] and gc.isenabled()
+    assert main(["generate", "-m", str(tiny_models["llama"]), "-p", "hi", "-n", "-2"]) == 2
+    assert gc.isenabled()
+
+
+def test_the_library_leaves_the_collector_alone(tiny_models, gc_seen):
+    llm = LLM(model=str(tiny_models["llama"]), speculative_config={"method": "none"}, num_threads=1)
+    llm.generate("hi", use_tqdm=False)
+    assert gc_seen["load"] == [True] and all(gc_seen["step"])
+    gc.disable()
+    try:
+        startup.resume()  # no pause pending: nothing to give back
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
