@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from specdecode import LLM, SamplingParams
-from specdecode.speculative.draft_vocab import (TruncatedHead, builtin_ranking, draft_vocab_ids, load_token_map,
-                                         ranking_fingerprint, token_frequencies, write_token_map)
+from specdecode.speculative.draft_vocab import (TruncatedHead, builtin_ranking, draft_vocab_ids, expand, load_token_map,
+                                         ranking_fingerprint, token_frequencies, top_token, write_token_map)
 from specdecode.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,16 +90,26 @@ def test_context_tokens_join_the_head(tiny_models):
     head.add_context([300, 301, 5, 300])
     assert head.context_ids == [300, 301]  # 5 is kept anyway
     x = torch.randn(2, head.sub.in_features)
+    assert head.compact  # the proposer reads only the scored tokens' logits
+    compact, ids = head(x), head.ids
+    head.compact = False
     got, want = head(x), full(x)
     scored = torch.zeros(512, dtype=torch.bool)
     scored[head.keep] = True
     scored[[300, 301]] = True
     assert torch.isinf(got[:, ~scored]).all()
     torch.testing.assert_close(got[:, scored], want[:, scored])
+    # Compact logits are the same values, in the order of ids; expanded, the vocabulary-wide row bit for bit.
+    assert sorted(ids.tolist()) == scored.nonzero().flatten().tolist()
+    assert torch.equal(compact, got[:, ids]) and torch.equal(expand(compact, ids, 512), got)
+    for row in range(2):
+        assert top_token(compact[row], ids, 512) == int(got[row].argmax())
     head.max_context_tokens = 3
     head.add_context([400, 300, 401])
     assert head.context_ids == [300, 400, 401]  # over the bound: the least recently seen token (301) goes
     torch.testing.assert_close(head(x)[:, [300, 400, 401]], want[:, [300, 400, 401]])
+    assert ids.tolist()[-2:] == [300, 301]  # ids kept with earlier logits stay as they were
+    head.compact = True
 
     # Tokens a request brings enter the head when the draft first reads them.
     head.max_context_tokens = 2048

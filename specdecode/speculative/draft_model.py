@@ -9,7 +9,7 @@ import torch
 from specdecode.engine.model_runner import ModelRunner
 from specdecode.layers.sampler import argmax, logits_to_probs, sample
 from specdecode.speculative.adaptive import AdaptiveK
-from specdecode.speculative.draft_vocab import TruncatedHead
+from specdecode.speculative.draft_vocab import TruncatedHead, expand, top_token
 from specdecode.speculative.proposer import (Proposal, Proposer, context_of, one_hot_rows, reads_draft_probs,
                                              widened)
 
@@ -60,7 +60,9 @@ class DraftModelProposer(Proposer):
         if not isinstance(self.head, TruncatedHead):
             return None
         import hashlib
-        return f"{len(self.head.keep)}:" + hashlib.sha256(self.head.keep.cpu().numpy().tobytes()).hexdigest()[:16]
+        compact = ":compact" if self.head.compact else ""  # no vocabulary-wide row per step: a cheaper step
+        return (f"{len(self.head.keep)}:" + hashlib.sha256(self.head.keep.cpu().numpy().tobytes()).hexdigest()[:16]
+                + compact)
 
     def set_vocab(self, vocab_ids: torch.Tensor | None) -> None:
         """Score only ``vocab_ids`` (plus each request's context tokens) in the draft's LM head; None: all.
@@ -72,6 +74,7 @@ class DraftModelProposer(Proposer):
             key = vocab_ids.cpu().numpy().tobytes()
             if key not in self._heads:
                 self._heads[key] = TruncatedHead(self.full_head, vocab_ids, vocab)
+                self._heads[key].compact = True  # _draft reads its logits with the ids they came with
             self.head = self._heads[key]
         self.runner.model.lm_head = self.head
 
@@ -79,9 +82,13 @@ class DraftModelProposer(Proposer):
         if isinstance(self.head, TruncatedHead):
             self.head.add_context(token_ids)
 
-    def _prefill_draft(self, request) -> torch.Tensor:
+    def _scored(self) -> torch.Tensor | None:
+        """The token ids of the logits the draft's last pass gave: None for vocabulary-wide logits."""
+        return self.head.ids if isinstance(self.head, TruncatedHead) and self.head.compact else None
+
+    def _prefill_draft(self, request) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the draft over the request's tokens it has not seen (after a prefix the prefix cache gave it,
-        if any) as a prompt prefill; the logits after them."""
+        if any) as a prompt prefill; the logits after them, and their token ids (``_scored``)."""
         t0 = time.perf_counter()
         tokens = list(context_of(request))
         self._note_context(tokens)
@@ -89,11 +96,12 @@ class DraftModelProposer(Proposer):
         request.draft_computed = len(tokens)
         logits = self.runner.prefill(request.slot, tokens[start:], start)
         self._prefill_seconds += time.perf_counter() - t0
-        return logits
+        return logits, self._scored()
 
-    def _catch_up(self, requests: list) -> list[torch.Tensor]:
-        """Feed each request's tokens the draft has not seen; return each one's next-token logits [V]."""
-        out: list[torch.Tensor | None] = [None] * len(requests)
+    def _catch_up(self, requests: list) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Feed each request's tokens the draft has not seen; return each one's next-token logits and their token
+        ids (``_scored``)."""
+        out: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * len(requests)
         rows, idx = [], []
         for i, r in enumerate(requests):
             context = context_of(r)
@@ -106,8 +114,10 @@ class DraftModelProposer(Proposer):
             idx.append(i)
             r.draft_computed = len(context)
         if rows:
-            for i, lg in zip(idx, self.runner.forward_rows(rows, all_logits=False)):
-                out[i] = lg[0]
+            outs = self.runner.forward_rows(rows, all_logits=False)
+            ids = self._scored()
+            for i, lg in zip(idx, outs):
+                out[i] = lg[0], ids
         return out
 
     def warm_up(self, requests: list) -> None:
@@ -184,13 +194,17 @@ class DraftModelProposer(Proposer):
             feed = []
             for i in list(active):
                 r = requests[i]
-                lg = self._fit_vocab(logits[i].float())
-                if r.params.greedy:
-                    tok = int(argmax(lg))
-                    top = float(torch.softmax(lg, -1)[tok]) if stopping else 1.0
-                else:
-                    p = logits_to_probs(lg[None], [r.params])[0]
-                    top = float(p.max()) if stopping else 1.0
+                lg, ids = logits[i]
+                tok = top_token(lg, ids, self.vocab) if ids is not None and r.params.greedy and not stopping else None
+                top = 1.0
+                if tok is None:  # a vocabulary-wide row: a full head, a sampled request, a stopping rule, a NaN
+                    lg = self._fit_vocab(lg.float() if ids is None else expand(lg, ids, self.vocab))
+                    if r.params.greedy:
+                        tok = int(argmax(lg))
+                        top = float(torch.softmax(lg, -1)[tok]) if stopping else 1.0
+                    else:
+                        p = logits_to_probs(lg[None], [r.params])[0]
+                        top = float(p.max()) if stopping else 1.0
                 if stopping and self._stop_before(i, step, top, cum):
                     active.remove(i)
                     continue
@@ -215,9 +229,10 @@ class DraftModelProposer(Proposer):
                 break
             outs = self.runner.forward_rows(
                 [(requests[i].slot, requests[i].draft_computed, [tokens[i][-1]]) for i in feed], all_logits=False)
+            ids = self._scored()
             for i, lg in zip(feed, outs):
                 requests[i].draft_computed += 1
-                logits[i] = lg[0]
+                logits[i] = lg[0], ids
         return Proposal(tokens, probs)
 
     def rollback(self, request, valid_len: int) -> None:

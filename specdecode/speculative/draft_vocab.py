@@ -156,6 +156,12 @@ class TruncatedHead(nn.Module):
         self._recent: OrderedDict[int, None] = OrderedDict()  # context tokens, least recently seen first
         self.context_head: Linear | None = None
         self.register_buffer("context_index", torch.zeros(0, dtype=torch.long, device=device), persistent=False)
+        # compact: forward gives only the scored tokens' logits, in the order of ``ids`` (the kept tokens, then
+        # the context tokens): a draft step that only needs the top token then neither writes a vocabulary-wide
+        # row of -inf nor scans one. ``ids`` is replaced, never changed in place, so a caller may keep it with
+        # the logits it came with.
+        self.compact = False
+        self.ids = self.keep
 
     def add_context(self, token_ids: Iterable[int]) -> None:
         """Also score these tokens from now on: a request's own prompt and output are where rare tokens
@@ -178,11 +184,35 @@ class TruncatedHead(nn.Module):
         self.context_ids = index.tolist()
         self.context_head = self.source.select_rows(index)
         self.context_index = index.to(self.keep.device)
+        self.ids = torch.cat([self.keep, self.context_index])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sub = self.sub(x)
+        if self.compact:
+            return sub if self.context_head is None else torch.cat([sub, self.context_head(x).to(sub.dtype)], -1)
         out = sub.new_full((*sub.shape[:-1], self.vocab), float("-inf"))
         out[..., self.keep] = sub
         if self.context_head is not None:
             out[..., self.context_index] = self.context_head(x).to(out.dtype)
         return out
+
+
+def expand(logits: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Compact logits (a TruncatedHead's, scored tokens ``ids``) as a vocabulary-wide row: -inf elsewhere; ids
+    at or above ``vocab`` are left out."""
+    out = logits.new_full((*logits.shape[:-1], vocab), float("-inf"))
+    inside = ids < vocab
+    if not bool(inside.all()):
+        logits, ids = logits[..., inside], ids[inside]
+    out[..., ids] = logits
+    return out
+
+
+def top_token(logits: torch.Tensor, ids: torch.Tensor, vocab: int) -> int | None:
+    """The vocabulary-wide argmax of compact logits (the lowest id among the maximal ones, as argmax over the
+    expanded row gives) without expanding them; None where the logits hold a NaN (argmax's own rule then)."""
+    inside = ids < vocab
+    if not bool(inside.all()):
+        logits, ids = logits[inside], ids[inside]
+    hit = ids[logits == logits.max()]
+    return int(hit.min()) if hit.numel() else None
