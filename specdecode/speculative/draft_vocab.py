@@ -188,13 +188,8 @@ class TruncatedHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sub = self.sub(x)
-        if self.compact:
-            return sub if self.context_head is None else torch.cat([sub, self.context_head(x).to(sub.dtype)], -1)
-        out = sub.new_full((*sub.shape[:-1], self.vocab), float("-inf"))
-        out[..., self.keep] = sub
-        if self.context_head is not None:
-            out[..., self.context_index] = self.context_head(x).to(out.dtype)
-        return out
+        scored = sub if self.context_head is None else torch.cat([sub, self.context_head(x).to(sub.dtype)], -1)
+        return scored if self.compact else expand(scored, self.ids, self.vocab)
 
 
 def expand(logits: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
