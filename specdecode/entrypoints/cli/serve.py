@@ -32,7 +32,10 @@ def run(args) -> int:
     if ray_only and not args.ray:
         raise CLIError(f"{ray_only[0]} applies to a Ray Serve deployment: add --ray")
     if args.ray:
+        from specdecode import startup
         from specdecode.entrypoints.openai.cli_args import engine_kwargs_from_args
+
+        startup.resume()  # the engines load in Ray's replica processes; this one only drives them
         try:
             from specdecode.serving.ray import serve_from_args
         except ImportError as e:
