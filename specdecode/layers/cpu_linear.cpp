@@ -430,7 +430,7 @@ struct QAct {            // quantized activations, per row: Kp bytes of q and of
   const int32_t* ncorr;  // -128 * sum of the block's q values
   const float* d;        // the block's scale
   const float* noff;     // -(d * sum of the block's q values): what w4a8's block offsets are multiplied by
-  const int32_t* hcorr;  // -32 * the sum of q over each half block (16 values), [rows, Kp / 16]; w6a8 only
+  const int32_t* hcorr;  // per half block (16 values), what w6a8's sums start from (w6_corr), [rows, Kp / 16]
   int64_t ldq;           // = Kp
   int64_t ldb;           // = Kp / 32
 };
@@ -508,6 +508,26 @@ static inline int32_t quantize_block(const float* x, int64_t n, int8_t* q, int8_
   return sum;
 }
 
+// What w6a8's integer sums of one half block (16 values of q) start from, so that they take u - 32 where the
+// weights hold u (0..63). The VNNI path: -32 * the sum of q. AVX2's sums are 16-bit, one per pair of a quad's
+// bytes (see w6a8_group): -32 * the sum of q over bytes 0 and 1 of the four quads (low half), and over bytes 2
+// and 3 (high half). Each fits in 16 bits (|.| <= 32 * 8 * 127).
+static inline int32_t w6_corr(const int8_t* q) {
+#if SPECDECODE_AVX2 && !SPECDECODE_VNNI
+  int32_t lo = 0, hi = 0;
+  for (int j = 0; j < 4; ++j) {
+    lo += q[4 * j] + q[4 * j + 1];
+    hi += q[4 * j + 2] + q[4 * j + 3];
+  }
+  return static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(-32 * lo)) |
+                              static_cast<uint32_t>(static_cast<uint16_t>(-32 * hi)) << 16);
+#else
+  int32_t sum = 0;
+  for (int i = 0; i < 16; ++i) sum += q[i];
+  return -32 * sum;
+#endif
+}
+
 static void quantize_row(const float* x, int64_t K, int64_t Kp, int8_t* q, int8_t* qabs, int32_t* ncorr, float* dl,
                          float* noff, int32_t* hcorr) {
   for (int64_t b0 = 0; b0 < Kp; b0 += kQBlock) {
@@ -518,10 +538,8 @@ static void quantize_row(const float* x, int64_t K, int64_t Kp, int8_t* q, int8_
     dl[b0 / kQBlock] = d;
     noff[b0 / kQBlock] = -(d * static_cast<float>(sum));
     if (hcorr) {
-      int32_t first = 0;
-      for (int i = 0; i < 16; ++i) first += q[b0 + i];
-      hcorr[b0 / 16] = -32 * first;
-      hcorr[b0 / 16 + 1] = -32 * (sum - first);
+      hcorr[b0 / 16] = w6_corr(q + b0);
+      hcorr[b0 / 16 + 1] = w6_corr(q + b0 + 16);
     }
   }
 }
@@ -1558,10 +1576,12 @@ static inline void w6a8_one(const W6Args& a, int64_t m0, int64_t g) {
 }
 
 #elif SPECDECODE_AVX2
-// R rows x one group of 16 channels, as two halves of 8. The weights are taken signed (u - 32, |.| <= 32) and
-// multiplied with |q| and q's sign, as w8a8_group does: a pair of products is at most 8128 in magnitude, so a
-// half block's four quads sum in int16 exactly (<= 32512), and vpmaddwd with the half's codes widens and
-// scales them in one instruction (|sc * 32512 * 2| < 2^31).
+// R rows x one group of 16 channels, as two halves of 8. The weights are taken as stored (u, 0..63) and
+// multiplied with q by vpmaddubsw: a pair of products is at most 16002 in magnitude, so no pair saturates. A
+// 16-bit lane sums its pairs of a half block's four quads starting from its share of -32 * sum(q) (w6_corr):
+// the running sum may wrap, but its final value, sum (u - 32) * q over 8 products, is at most 32512 in
+// magnitude, so 16 bits hold it exactly. vpmaddwd with the half's codes then widens and scales the lane pairs
+// in one instruction (|sc * 32512 * 2| < 2^31).
 template <int R>
 static inline void w6a8_group(const W6Args& a, int64_t m0, int64_t g) {
   constexpr int H = 2;
@@ -1573,7 +1593,7 @@ static inline void w6a8_group(const W6Args& a, int64_t m0, int64_t g) {
   const uint8_t* wg = a.group(g);
   const int8_t* cg = a.codes(g);
   const uint16_t* ug = a.units(g);
-  const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30), bias32 = _mm256_set1_epi8(32);
+  const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
   for (int64_t b = 0; b < a.nblocks; ++b) {
 #pragma GCC unroll 6
     for (int l = 0; l < 6; ++l) prefetch(reinterpret_cast<const char*>(wg + (b + kW6PrefetchBlocks) * 384 + 64 * l));
@@ -1581,17 +1601,13 @@ static inline void w6a8_group(const W6Args& a, int64_t m0, int64_t g) {
     __m256i t[R][H];
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
-      __m256i sc[H];  // codes as int16 pairs (sc, sc) per int32 lane
-#pragma GCC unroll 2
-      for (int c = 0; c < H; ++c) {
-        const __m256i s32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cg + b * 32 + 16 * h + 8 * c)));
-        sc[c] = _mm256_or_si256(_mm256_and_si256(s32, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(s32, 16));
-      }
       __m256i s[R][H];
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r)
+      for (int r = 0; r < R; ++r) {
+        const __m256i corr = _mm256_set1_epi32(a.x.hcorr[(m0 + r) * a.x.ldb * 2 + 2 * b + h]);
 #pragma GCC unroll 2
-        for (int c = 0; c < H; ++c) s[r][c] = _mm256_setzero_si256();
+        for (int c = 0; c < H; ++c) s[r][c] = corr;
+      }
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
         __m256i w[H];
@@ -1602,27 +1618,29 @@ static inline void w6a8_group(const W6Args& a, int64_t m0, int64_t g) {
           const __m256i lo = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(v, 4) : v, low);
           const __m256i hs = j == 0 ? _mm256_slli_epi16(hv, 4) : j == 1 ? _mm256_slli_epi16(hv, 2)
                                                              : j == 2 ? hv : _mm256_srli_epi16(hv, 2);
-          w[c] = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_and_si256(hs, top)), bias32);
+          w[c] = _mm256_or_si256(lo, _mm256_and_si256(hs, top));
         }
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
-          const int64_t at = (m0 + r) * a.x.ldq + b * kQBlock + 16 * h + 4 * j;
-          const __m256i q = _mm256_set1_epi32(load4(a.x.q + at));
-          const __m256i aq = _mm256_set1_epi32(load4(a.x.qabs + at));
+          const __m256i q = _mm256_set1_epi32(load4(a.x.q + (m0 + r) * a.x.ldq + b * kQBlock + 16 * h + 4 * j));
 #pragma GCC unroll 2
           for (int c = 0; c < H; ++c) {
-            s[r][c] = _mm256_add_epi16(s[r][c], _mm256_maddubs_epi16(aq, _mm256_sign_epi8(w[c], q)));
+            s[r][c] = _mm256_add_epi16(s[r][c], _mm256_maddubs_epi16(w[c], q));
             __asm__("" : "+x"(s[r][c]));  // see w4a8_group
           }
         }
       }
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
-        for (int c = 0; c < H; ++c) {
-          const __m256i p = _mm256_madd_epi16(s[r][c], sc[c]);
+      for (int c = 0; c < H; ++c) {
+        // codes as int16 pairs (sc, sc) per int32 lane
+        const __m256i s32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cg + b * 32 + 16 * h + 8 * c)));
+        const __m256i sc = _mm256_or_si256(_mm256_and_si256(s32, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(s32, 16));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m256i p = _mm256_madd_epi16(s[r][c], sc);
           t[r][c] = h == 0 ? p : _mm256_add_epi32(t[r][c], p);
         }
+      }
     }
 #pragma GCC unroll 2
     for (int c = 0; c < H; ++c) {
@@ -1651,14 +1669,24 @@ static void w6a8_rows(const W6Args& a, int64_t m0, int64_t g0, int64_t g1) {
   for (int64_t g = g0; g < g1; ++g) w6a8_one<R>(a, m0, g);
 }
 #elif SPECDECODE_AVX2
+#ifndef SPECDECODE_W6_ROWS
+#define SPECDECODE_W6_ROWS 6
+#endif
+// Rows per pass over a group: at most kW6Rows, in passes as even as can be, as w4a8_group_rows does. Each pass
+// unpacks the group's 6-bit values again, which costs more than w4a8's nibbles, so all of a tile's rows (up to
+// 6) take one pass: their int16 sums fill the ymm registers, and the int32 and float sums that spill are touched
+// once per half block. Passes of at most 3 rows were slower at 4-6 rows (docs/benchmarks.md, session 29).
+constexpr int kW6Rows = SPECDECODE_W6_ROWS;
+template <int R>
+static inline void w6a8_group_rows(const W6Args& a, int64_t m0, int64_t g) {
+  constexpr int passes = (R + kW6Rows - 1) / kW6Rows;
+  constexpr int first = (R + passes - 1) / passes;
+  w6a8_group<first>(a, m0, g);
+  if constexpr (R > first) w6a8_group_rows<R - first>(a, m0 + first, g);
+}
 template <int R>
 static void w6a8_rows(const W6Args& a, int64_t m0, int64_t g0, int64_t g1) {
-  // at most 3 rows' int16 sums and accumulators at a time in the 16 ymm registers
-  constexpr int first = R <= 3 ? R : (R + 1) / 2;
-  for (int64_t g = g0; g < g1; ++g) {
-    w6a8_group<first>(a, m0, g);
-    if constexpr (R > first) w6a8_group<R - first>(a, m0 + first, g);
-  }
+  for (int64_t g = g0; g < g1; ++g) w6a8_group_rows<R>(a, m0, g);
 }
 #else  // portable scalar path, same arithmetic
 template <int R>
