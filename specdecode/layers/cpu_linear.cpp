@@ -28,6 +28,7 @@
 #include <vector>
 #include <exception>
 #include <atomic>
+#include <type_traits>
 #include <utility>
 #include <cstdlib>
 
@@ -560,6 +561,16 @@ static void group_rows(const A& a, int64_t m0, int64_t g0, int64_t g1) {
   int64_t g = g0;
   for (; g + C <= g1; g += C) Wide(a, m0, g);
   for (; g < g1; ++g) Single(a, m0, g);
+}
+
+// Rows [m0, m0 + R) in passes of at most MaxRows rows, as even as can be (5 rows, at most 4: 3 + 2):
+// pass(std::integral_constant<int, n>, m) handles the n rows from m.
+template <int R, int MaxRows, typename Pass>
+static inline void row_passes(int64_t m0, Pass&& pass) {
+  constexpr int passes = (R + MaxRows - 1) / MaxRows;
+  constexpr int first = (R + passes - 1) / passes;
+  pass(std::integral_constant<int, first>{}, m0);
+  if constexpr (R > first) row_passes<R - first, MaxRows>(m0 + first, pass);
 }
 
 // Every row and group through schedule(); rows[R - 1] handles tiles of R rows.
@@ -1337,16 +1348,12 @@ static inline void w4a8_group(const W4Args& a, int64_t m0, int64_t g) {
 #ifndef SPECDECODE_W4_ROWS
 #define SPECDECODE_W4_ROWS 4
 #endif
-// Rows per pass over a group: at most kW4Rows, in passes as even as can be (5 rows: 3 + 2). Each pass unpacks
-// the group's nibbles again, from L1; more rows' accumulators than the 16 ymm registers hold spill, but only
-// the float ones, once per block.
+// Rows per pass over a group: at most kW4Rows (row_passes). Each pass unpacks the group's nibbles again, from L1; more
+// rows' accumulators than the 16 ymm registers hold spill, but only the float ones, once per block.
 constexpr int kW4Rows = SPECDECODE_W4_ROWS;
 template <int R>
 static inline void w4a8_group_rows(const W4Args& a, int64_t m0, int64_t g) {
-  constexpr int passes = (R + kW4Rows - 1) / kW4Rows;
-  constexpr int first = (R + passes - 1) / passes;
-  w4a8_group<first>(a, m0, g);
-  if constexpr (R > first) w4a8_group_rows<R - first>(a, m0 + first, g);
+  row_passes<R, kW4Rows>(m0, [&](auto n, int64_t m) { w4a8_group<decltype(n)::value>(a, m, g); });
 }
 template <int R, int C>
 static inline void w4a8_tile(const W4Args& a, int64_t m0, int64_t g0) {
@@ -1672,21 +1679,15 @@ static void w6a8_rows(const W6Args& a, int64_t m0, int64_t g0, int64_t g1) {
 #ifndef SPECDECODE_W6_ROWS
 #define SPECDECODE_W6_ROWS 6
 #endif
-// Rows per pass over a group: at most kW6Rows, in passes as even as can be, as w4a8_group_rows does. Each pass
-// unpacks the group's 6-bit values again, which costs more than w4a8's nibbles, so all of a tile's rows (up to
-// 6) take one pass: their int16 sums fill the ymm registers, and the int32 and float sums that spill are touched
-// once per half block. Passes of at most 3 rows were slower at 4-6 rows (docs/benchmarks.md, session 29).
+// Rows per pass over a group: at most kW6Rows (row_passes). Each pass unpacks the group's 6-bit values again, which
+// costs more than w4a8's nibbles, so all of a tile's rows (up to 6) take one pass: their int16 sums fill the ymm
+// registers, and the int32 and float sums that spill are touched once per half block. Passes of at most 3 rows were
+// slower at 4-6 rows (docs/benchmarks.md, session 29).
 constexpr int kW6Rows = SPECDECODE_W6_ROWS;
 template <int R>
-static inline void w6a8_group_rows(const W6Args& a, int64_t m0, int64_t g) {
-  constexpr int passes = (R + kW6Rows - 1) / kW6Rows;
-  constexpr int first = (R + passes - 1) / passes;
-  w6a8_group<first>(a, m0, g);
-  if constexpr (R > first) w6a8_group_rows<R - first>(a, m0 + first, g);
-}
-template <int R>
 static void w6a8_rows(const W6Args& a, int64_t m0, int64_t g0, int64_t g1) {
-  for (int64_t g = g0; g < g1; ++g) w6a8_group_rows<R>(a, m0, g);
+  for (int64_t g = g0; g < g1; ++g)
+    row_passes<R, kW6Rows>(m0, [&](auto n, int64_t m) { w6a8_group<decltype(n)::value>(a, m, g); });
 }
 #else  // portable scalar path, same arithmetic
 template <int R>
