@@ -192,13 +192,19 @@ class TruncatedHead(nn.Module):
         return scored if self.compact else expand(scored, self.ids, self.vocab)
 
 
+def _in_vocab(logits: torch.Tensor, ids: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compact logits and their ids without the ids at or above ``vocab``."""
+    inside = ids < vocab
+    if bool(inside.all()):
+        return logits, ids
+    return logits[..., inside], ids[inside]
+
+
 def expand(logits: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
     """Compact logits (a TruncatedHead's, scored tokens ``ids``) as a vocabulary-wide row: -inf elsewhere; ids
     at or above ``vocab`` are left out."""
     out = logits.new_full((*logits.shape[:-1], vocab), float("-inf"))
-    inside = ids < vocab
-    if not bool(inside.all()):
-        logits, ids = logits[..., inside], ids[inside]
+    logits, ids = _in_vocab(logits, ids, vocab)
     out[..., ids] = logits
     return out
 
@@ -206,8 +212,6 @@ def expand(logits: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
 def top_token(logits: torch.Tensor, ids: torch.Tensor, vocab: int) -> int | None:
     """The vocabulary-wide argmax of compact logits (the lowest id among the maximal ones, as argmax over the
     expanded row gives) without expanding them; None where the logits hold a NaN (argmax's own rule then)."""
-    inside = ids < vocab
-    if not bool(inside.all()):
-        logits, ids = logits[inside], ids[inside]
+    logits, ids = _in_vocab(logits, ids, vocab)
     hit = ids[logits == logits.max()]
     return int(hit.min()) if hit.numel() else None
