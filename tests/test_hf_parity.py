@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import gc
+import mmap
+import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,8 +95,49 @@ def test_tiny_greedy_matches_transformers(fam, tiny_models, one_thread):
 REAL_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 
 
+def _gguf_for_transformers(src: Path, dst: Path) -> None:
+    """Write a copy of GGUF file ``src`` without its tokenizer metadata: the same tensors and the same model
+    metadata, with the vocabulary size transformers would take from the token list as ``<arch>.vocab_size``.
+    transformers parses every metadata string of a GGUF file in Python, twice per model load (about 20 s each for
+    Qwen2.5's 151k tokens and merges on a slow core), and its model needs none of the tokenizer's. The copy is
+    written from the source's bytes (header entries and tensor data unchanged), not re-encoded."""
+    from specdecode.models.gguf_loader import _DEFAULT_ALIGNMENT, _Cursor
+
+    with open(src, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        cur = _Cursor(mm, len(mm))
+        cur.take(4)
+        version, n_tensors, n_kv = cur.scalar("<I"), cur.scalar("<Q"), cur.scalar("<Q")
+        kept, meta = [], {}
+        for _ in range(n_kv):
+            start = cur.pos
+            key = cur.string()
+            value = cur.value(cur.scalar("<I"))
+            if key.startswith("tokenizer."):
+                meta[key] = len(value) if key == "tokenizer.ggml.tokens" else None
+            else:
+                meta[key] = value
+                kept.append(mm[start:cur.pos])
+        infos_start = cur.pos
+        for _ in range(n_tensors):
+            cur.string()
+            n_dims = cur.scalar("<I")
+            cur.take(8 * n_dims + 4 + 8)  # dims, type, offset
+        infos = mm[infos_start:cur.pos]
+        align = meta.get("general.alignment", _DEFAULT_ALIGNMENT)
+        data_start = -(-cur.pos // align) * align
+        vocab_key = f"{meta['general.architecture']}.vocab_size"
+        if vocab_key not in meta:
+            name = vocab_key.encode()
+            kept.append(struct.pack("<Q", len(name)) + name + struct.pack("<II", 4, meta["tokenizer.ggml.tokens"]))
+        header = b"GGUF" + struct.pack("<IQQ", version, n_tensors, len(kept)) + b"".join(kept) + infos
+        with open(dst, "wb") as out:
+            out.write(header + bytes(-len(header) % align))
+            for i in range(data_start, len(mm), 64 << 20):
+                out.write(mm[i:i + (64 << 20)])
+
+
 @pytest.mark.parametrize("role", ["draft", "target"])
-def test_default_pair_matches_transformers(role, one_thread):
+def test_default_pair_matches_transformers(role, one_thread, tmp_path):
     """transformers dequantizes the GGUF with the gguf package; we dequantize it with ours. One thread: on
     this shared 2-vCPU machine, 2 spinning threads lose more to contention than they gain."""
     from specdecode.models.resolve import resolve_model
@@ -114,7 +158,10 @@ def test_default_pair_matches_transformers(role, one_thread):
     del llm, runner
     gc.collect()
 
-    hf = _hf_model(path.parent, gguf_file=path.name)
+    light = tmp_path / path.name
+    _gguf_for_transformers(path, light)
+    hf = _hf_model(tmp_path, gguf_file=light.name)
+    light.unlink()  # transformers holds the weights in memory now
     want = _hf_logits(hf, ids)
     hf_greedy = _hf_greedy(hf, ids, N_GREEDY)
     del hf
