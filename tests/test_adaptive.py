@@ -400,16 +400,18 @@ def test_other_cpu_share_sees_a_busy_process():
     import specdecode.speculative.adaptive as ad
 
     # Bounded, so that a test run killed before the finally below leaves no process spinning behind it.
-    spin = "import time\nend = time.time() + 30\nwhile time.time() < end: pass"
-    spinner = subprocess.Popen([sys.executable, "-c", spin])
+    spin = "import time\nend = time.time() + 30\nprint('spinning', flush=True)\nwhile time.time() < end: pass"
+    spinner = subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE, text=True)
     try:
-        time.sleep(0.3)  # let it start
+        # Measure only once it spins: on a loaded host its interpreter may take longer than any fixed wait to start.
+        assert spinner.stdout.readline().strip() == "spinning"
         before = ad._cpu_times()
         time.sleep(1.0)
         busy = ad.other_cpu_share(before, ad._cpu_times())
     finally:
         spinner.kill()
         spinner.wait()
+        spinner.stdout.close()
     cpus = len(os.sched_getaffinity(0))
     assert busy is not None and busy > 0.6 / cpus, busy
 
