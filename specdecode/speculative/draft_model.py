@@ -73,8 +73,8 @@ class DraftModelProposer(Proposer):
         else:
             key = vocab_ids.cpu().numpy().tobytes()
             if key not in self._heads:
-                self._heads[key] = TruncatedHead(self.full_head, vocab_ids, vocab)
-                self._heads[key].compact = True  # _draft reads its logits with the ids they came with
+                # compact: _draft reads its logits with the ids they came with
+                self._heads[key] = TruncatedHead(self.full_head, vocab_ids, vocab, compact=True)
             self.head = self._heads[key]
         self.runner.model.lm_head = self.head
 

@@ -141,7 +141,8 @@ class TruncatedHead(nn.Module):
     """An LM head that scores only ``keep`` and the context tokens added with ``add_context``; every other
     token gets logit -inf, i.e. probability 0."""
 
-    def __init__(self, head: Linear, keep: torch.Tensor, vocab: int, max_context_tokens: int = 2048):
+    def __init__(self, head: Linear, keep: torch.Tensor, vocab: int, max_context_tokens: int = 2048,
+                 compact: bool = False):
         super().__init__()
         self.sub = head.select_rows(keep)
         self.vocab = vocab
@@ -160,7 +161,7 @@ class TruncatedHead(nn.Module):
         # the context tokens): a draft step that only needs the top token then neither writes a vocabulary-wide
         # row of -inf nor scans one. ``ids`` is replaced, never changed in place, so a caller may keep it with
         # the logits it came with.
-        self.compact = False
+        self.compact = compact
         self.ids = self.keep
 
     def add_context(self, token_ids: Iterable[int]) -> None:
