@@ -905,7 +905,10 @@ def run_server(args: argparse.Namespace, model: str | None, engine: AsyncLLMEngi
     sock = _bind(host, port)
     grace = getattr(args, "timeout_graceful_shutdown", None)
     grace = 30.0 if grace is None else grace
+    # asyncio's own event loop and no WebSocket protocol: uvloop and the websockets package would be imported
+    # at every start, after the engine is ready, for streams whose pace the engine sets, not the loop.
     config = uvicorn.Config(app, log_level=getattr(args, "uvicorn_log_level", None) or "warning",
+                            loop="asyncio", ws="none",
                             timeout_graceful_shutdown=grace, lifespan="on", timeout_keep_alive=5,
                             limit_concurrency=getattr(args, "limit_concurrency", None) or DEFAULT_LIMIT_CONCURRENCY)
     server = _Server(config, app.state.engine, grace)
