@@ -204,9 +204,11 @@ class LLMEngine:
             if not isinstance(prompt, str):
                 raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}.")
             check_text(prompt, "prompt")
-            if len(prompt) > self.max_prompt_chars:
-                # Checked before tokenizing: no token is longer than the vocabulary's longest entry, so such a
-                # prompt cannot fit, and tokenizing megabytes only to say so would stall its caller.
+            # Checked before tokenizing: no token is longer than the vocabulary's longest entry, so such a
+            # prompt cannot fit, and tokenizing megabytes only to say so would stall its caller. The bound is
+            # at least 2 * max_model_len, and shorter prompts skip it: finding the longest entry reads the whole
+            # vocabulary (a large one takes a noticeable moment), which would otherwise delay a first answer.
+            if len(prompt) > 2 * self.max_model_len and len(prompt) > self.max_prompt_chars:
                 raise ValueError(f"The prompt has {len(prompt)} characters, more than {self.max_model_len} tokens "
                                  f"(max_model_len) can hold; shorten the prompt or raise max_model_len.")
             ids = self.tokenizer.encode(prompt)
