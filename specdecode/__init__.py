@@ -1,10 +1,10 @@
 """specdecode: small, exact speculative decoding (draft-model and n-gram proposers)."""
 import importlib as _importlib
-from typing import TYPE_CHECKING
+import typing as _typing
 
 from specdecode import startup as _startup
 
-if TYPE_CHECKING:
+if _typing.TYPE_CHECKING:
     from specdecode.config import EngineConfig, SpeculativeConfig
     from specdecode.llm import LLM, Engine
     from specdecode.outputs import CompletionOutput, Logprob, RequestOutput
@@ -29,3 +29,7 @@ def __getattr__(name: str):
         globals()[name] = value
         return value
     raise AttributeError(f"module 'specdecode' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
