@@ -50,7 +50,8 @@ def resume() -> None:
 
 
 class _Paused(importlib.abc.Loader):
-    """A module's own loader, run with the collector paused."""
+    """A module's own loader, run with the collector paused. The module gets its own loader back before it runs,
+    so nothing that asks it for its loader (resources, source) ever sees this one."""
 
     def __init__(self, loader):
         self._loader = loader
@@ -59,6 +60,9 @@ class _Paused(importlib.abc.Loader):
         return self._loader.create_module(spec)
 
     def exec_module(self, module) -> None:
+        module.__loader__ = self._loader
+        if getattr(module, "__spec__", None) is not None:
+            module.__spec__.loader = self._loader
         with paused():
             self._loader.exec_module(module)
 

@@ -33,7 +33,10 @@ def _count_collections(before: str, code: str) -> tuple[int, str, str]:
 @pytest.mark.parametrize("before", ["on", "off"])
 @pytest.mark.parametrize("code", ["from specdecode import LLM, SamplingParams",
                                   "import specdecode, torch",  # torch after the package, by the user
-                                  "import specdecode.engine.llm_engine"])  # a module that imports torch itself
+                                  "import specdecode.engine.llm_engine",  # a module that imports torch itself
+                                  "import specdecode, torch, importlib.machinery as m\n"
+                                  "assert isinstance(torch.__loader__, m.SourceFileLoader)\n"
+                                  "assert torch.__spec__.loader is torch.__loader__"])
 def test_importing_torch_through_the_package_runs_no_collections_and_leaves_the_collector_as_it_was(before, code):
     runs, enabled, torch_loaded = _count_collections(before, code)
     # importing torch alone runs hundreds of collections with the collector on
