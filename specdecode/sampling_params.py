@@ -49,6 +49,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None  # JSON schema / regex / choice / grammar
     min_tokens: int = 0  # before this many output tokens, EOS, stop_token_ids and stop strings do not end it
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI)
+    # The expected output, or most of it (OpenAI's Predicted Outputs): the lookup sources draft from it first.
+    # Only where speculation drafts by lookup (the default, ngram, suffix); it never changes the output.
+    prediction: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -108,6 +111,10 @@ class SamplingParams:
             bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}.")
+        if self.prediction is not None:
+            if not isinstance(self.prediction, str):
+                bad(f"prediction must be a string (the expected output), got {type(self.prediction).__name__}.")
+            check_text(self.prediction, "prediction")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             bad("structured_outputs must be a StructuredOutputsParams (from specdecode.sampling_params import "
                 f"StructuredOutputsParams), got {type(self.structured_outputs).__name__}.")

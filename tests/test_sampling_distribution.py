@@ -465,3 +465,48 @@ def test_top_p_nucleus_equals_a_full_sort():
             for V in (7, 1000, 151936):
                 pr = torch.softmax(torch.randn(V, generator=g) * scale, 0)
                 assert torch.equal(_top_p(pr, top_p), by_sort(pr, top_p)), (scale, top_p, V)
+
+
+def test_end_to_end_with_a_prediction(one_thread, llm_cache, sharp_target, monkeypatch):
+    """Drafts from a predicted output (SamplingParams.prediction) are one-hot drafts like any lookup: the
+    prediction starts with the likeliest first token, then names a token the target gives a fair chance after it.
+    Where the first token is that one, the second is drafted from the prediction, and must follow the target's
+    p(x2 | x1); a sampler that accepts every draft would make it the predicted token every time."""
+    from specdecode.engine.model_runner import ModelRunner
+    from specdecode.models.loader import load_model
+
+    llm = llm_cache.get(sharp_target, speculative_config={"method": "ngram", "num_speculative_tokens": K_E2E},
+                        max_model_len=64, max_num_seqs=16)
+    params = SamplingParams(temperature=0.7)
+    runner = ModelRunner(load_model(sharp_target, "float32", "cpu", 64, None), 1, 64, "cpu")
+    p1 = logits_to_probs(runner.prefill(0, PROMPT)[None], [params])[0].double()
+    a = int(torch.argmax(p1))
+    cond = logits_to_probs(runner.forward_rows([(0, len(PROMPT), [a])], all_logits=True)[0], [params])[0].double()
+    tok = llm.engine.tokenizer
+    # a second token the target gives a fair chance after a, whose text the tokenizer reads back as [a, b]
+    b = max((t for t in range(len(cond)) if cond[t] < 0.5
+             and tok.encode(tok.decode([a, t]), add_special_tokens=False) == [a, t]), key=lambda t: cond[t])
+    assert 0.02 < cond[b] < 0.5
+    predicted = params.clone(prediction=tok.decode([a, b]))
+    stats = llm.spec_decode_metrics
+    drafted = stats.num_draft_tokens
+
+    n = 3000
+    torch.manual_seed(0)
+    sps = [predicted.clone(max_tokens=K_E2E + 2, ignore_eos=True) for _ in range(n)]
+    outs = llm.generate(prompt_token_ids=[PROMPT] * n, sampling_params=sps, use_tqdm=False)
+    firsts = np.bincount([o.outputs[0].token_ids[0] for o in outs], minlength=len(p1))
+    seconds = np.bincount([o.outputs[0].token_ids[1] for o in outs if o.outputs[0].token_ids[0] == a],
+                          minlength=len(p1))
+    assert chi2_pvalue(firsts, p1.numpy()) > ALPHA
+    assert seconds.sum() > 400 and 0 < seconds[b] < seconds.sum()  # b was drafted, and both branches ran
+    assert stats.num_draft_tokens - drafted >= seconds.sum()  # every request that began with a drafted b
+    pval = chi2_pvalue(seconds, cond.numpy())
+    assert pval > ALPHA, f"a token drafted from the prediction does not follow the target (p={pval:.2e})"
+
+    monkeypatch.setattr(rs, "accept_mask", accept_everything)
+    torch.manual_seed(1)
+    outs = llm.generate(prompt_token_ids=[PROMPT] * 1000, sampling_params=sps[:1000], use_tqdm=False)
+    broken = np.bincount([o.outputs[0].token_ids[1] for o in outs if o.outputs[0].token_ids[0] == a],
+                         minlength=len(p1))
+    assert chi2_pvalue(broken, cond.numpy()) < ALPHA, "the broken sampler went unnoticed"

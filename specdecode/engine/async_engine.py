@@ -189,9 +189,12 @@ class AsyncLLMEngine:
             # Tokenizing (megabytes, at worst) happens in a worker thread, never on the engine thread, so one
             # large prompt cannot stall the running streams.
             prompt_token_ids = await loop.run_in_executor(None, self.engine.encode_prompt, prompt, None)
+        predicted = None
+        if params.prediction:  # tokenized off the engine thread too
+            predicted = await loop.run_in_executor(None, self.engine.encode_prediction, params.prediction)
         stream = _Stream(request_id, loop)
         accepted: asyncio.Future = loop.create_future()
-        self._submit(("add", stream, prompt, params, prompt_token_ids, accepted))
+        self._submit(("add", stream, prompt, params, prompt_token_ids, accepted, predicted))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -285,14 +288,14 @@ class AsyncLLMEngine:
                 self.engine.abort_request(rid)
             self._fail_all(EngineDeadError(cmd[1]))
             return
-        _, stream, prompt, params, ids, accepted = cmd
+        _, stream, prompt, params, ids, accepted, predicted = cmd
         rid = stream.request_id
         try:
             if stopping:
                 raise EngineDeadError("The server is shutting down and accepts no new requests.")
             if rid in self._streams:
                 raise ValueError(f"Request id {rid!r} is already in use.")
-            self.engine.add_request(rid, prompt, params, prompt_token_ids=ids)
+            self.engine.add_request(rid, prompt, params, prompt_token_ids=ids, prediction_token_ids=predicted)
         except Exception as e:
             self._resolve(stream.loop, accepted, e)
             return

@@ -196,10 +196,7 @@ class LLMEngine:
         if prompt_token_ids is None and isinstance(prompt, list):
             prompt_token_ids, prompt = prompt, None
         if prompt_token_ids is not None:
-            ids = [int(t) for t in prompt_token_ids]
-            vocab = self.target.vocab_size
-            if any(t < 0 or t >= vocab for t in ids):
-                raise ValueError(f"prompt token ids must be in [0, {vocab}).")
+            ids = self._checked_ids(prompt_token_ids, "prompt token ids")
         else:
             if not isinstance(prompt, str):
                 raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}.")
@@ -223,7 +220,9 @@ class LLMEngine:
         return ids
 
     def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams | None = None,
-                    prompt_token_ids: list[int] | None = None) -> None:
+                    prompt_token_ids: list[int] | None = None, prediction_token_ids: list[int] | None = None) -> None:
+        """``prediction_token_ids``: params.prediction already tokenized (``encode_prediction``), as the async
+        engine does off the engine thread; by default it is tokenized here."""
         params = params or SamplingParams()
         if request_id in self._parents:
             raise ValueError(f"Request id {request_id!r} is already in use.")
@@ -231,6 +230,8 @@ class LLMEngine:
             raise ValueError(f"logit_bias names token id {max(params.logit_bias)}, outside the vocabulary "
                              f"(ids 0..{self.target.vocab_size - 1}).")
         ids = self.encode_prompt(prompt, prompt_token_ids)
+        predicted = (self.encode_prediction(params.prediction) if prediction_token_ids is None
+                     else self._checked_ids(prediction_token_ids, "prediction token ids"))
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         text = prompt if isinstance(prompt, str) else None
@@ -238,12 +239,34 @@ class LLMEngine:
         for i in range(params.n):
             p = params if params.n == 1 or params.seed is None else params.clone(seed=(params.seed + i) % 2 ** 64)
             children.append(Request(request_id, text, ids, p, self.tokenizer, max_tokens, i))
+            children[-1].prediction_ids = predicted
         if params.structured_outputs is not None:  # compiled before queueing: a bad constraint is the caller's error
             for child in children:
                 child.matcher = self.grammar_compiler.matcher(params.structured_outputs)
         self.scheduler.add(children)
         self._parents[request_id] = children
         self.num_prompt_tokens += len(ids) * params.n
+
+    def _checked_ids(self, token_ids: list[int], what: str) -> list[int]:
+        ids = [int(t) for t in token_ids]
+        vocab = self.target.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"{what} must be in [0, {vocab}).")
+        return ids
+
+    def encode_prediction(self, prediction: str | None) -> list[int] | None:
+        """The tokens of a request's predicted output (SamplingParams.prediction), which only a speculative
+        method that drafts by lookup can use: elsewhere it is refused, not ignored."""
+        if not prediction:
+            return None
+        if self.proposer is None or not self.proposer.drafts_by_lookup:
+            method = "off" if self.proposer is None else f"'{self.config.speculative.method}'"
+            raise ValueError(f"prediction needs a speculative method that drafts by lookup (the default, ngram or "
+                             f"suffix); speculative decoding here is {method}.")
+        if len(prediction) > 2 * self.max_model_len and len(prediction) > self.max_prompt_chars:  # see encode_prompt
+            raise ValueError(f"The prediction has {len(prediction)} characters, more than {self.max_model_len} "
+                             "tokens (max_model_len) can hold; shorten it.")
+        return self.tokenizer.encode(prediction, add_special_tokens=False)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix; False (and nothing done) while requests are running."""

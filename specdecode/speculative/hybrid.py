@@ -33,6 +33,8 @@ class HybridProposer(Proposer):
     """``lookup`` (a proposer with ``find(request, tokens, k)``) first, ``draft`` where it finds nothing.
     ``k`` caps the draft model's tokens, ``lookup_k`` a lookup's; both share ``policy``."""
 
+    drafts_by_lookup = True
+
     def __init__(self, lookup, draft: DraftModelProposer, k: int, lookup_k: int, policy: AdaptiveK):
         super().__init__(k, policy)
         self.lookup, self.draft, self.lookup_k = lookup, draft, lookup_k

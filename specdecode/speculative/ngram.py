@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from specdecode.speculative.adaptive import AdaptiveK
+from specdecode.speculative.prediction import predicted
 from specdecode.speculative.proposer import Proposal, Proposer
 
 
@@ -36,14 +37,17 @@ def ngram_lookup(tokens: list[int] | np.ndarray, k: int, n_min: int, n_max: int)
 class NgramProposer(Proposer):
     """Prompt lookup (vLLM's ``ngram`` method). Also the lookup source of HybridProposer (``find``)."""
 
+    drafts_by_lookup = True
+
     def __init__(self, n_min: int, n_max: int, k: int | None = None, policy: AdaptiveK | None = None):
         super().__init__(k, policy)
         self.n_min, self.n_max = n_min, n_max
 
     def find(self, request, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the suffix of ``tokens`` (the
-        request's context, possibly extended by drafts)."""
-        return ngram_lookup(tokens, k, self.n_min, self.n_max)
+        request's context, possibly extended by drafts); from the request's predicted output first, where it
+        has one."""
+        return predicted(request, tokens, k) or ngram_lookup(tokens, k, self.n_min, self.n_max)
 
     def propose(self, requests: list, budgets: list[int]) -> Proposal:
         return self.propose_lookups(requests, budgets)

@@ -55,6 +55,8 @@ class Proposer:
     ``k`` caps the tokens one step drafts (None: only the engine's budget); ``policy`` decides k per request
     and learns from each verification (adaptive k)."""
 
+    drafts_by_lookup = False  # it has a lookup source (``find``), which also drafts from predicted outputs
+
     def __init__(self, k: int | None = None, policy: AdaptiveK | None = None):
         self.k = k
         self.policy = policy if policy is not None else AdaptiveK()

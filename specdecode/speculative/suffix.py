@@ -26,6 +26,7 @@ from array import array
 from collections import OrderedDict
 
 from specdecode.speculative.adaptive import AdaptiveK, prefix_length
+from specdecode.speculative.prediction import predicted
 from specdecode.speculative.proposer import Proposal, Proposer
 
 # Occurrences looked at per source and step, latest first: a bound on the work of one lookup.
@@ -153,6 +154,8 @@ class _LocalIndex:
 class SuffixProposer(Proposer):
     """vLLM's ``suffix`` method. Also a lookup source of HybridProposer (``find``)."""
 
+    drafts_by_lookup = True
+
     def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000, max_spec_factor: float = 1.0,
                  min_token_prob: float = 0.1, min_match: int = 2, k: int | None = None,
                  policy: AdaptiveK | None = None, cache: SuffixCache | None = None):
@@ -181,7 +184,12 @@ class SuffixProposer(Proposer):
     def find(self, request, tokens: list[int], k: int) -> list[int]:
         """Up to k draft tokens after ``tokens`` (the request's context, possibly extended by drafts). A lookup
         from the request's own context (not one extended by drafts) is kept, with each token's evidence, for
-        found_rates and score_found."""
+        found_rates and score_found. The request's predicted output, where it has one, comes first."""
+        draft = predicted(request, tokens, k)
+        if draft:
+            if len(tokens) == len(request.all_token_ids) + prefix_length(request):
+                request.suffix_found = None  # no evidence to score: the index did not draft this step
+            return draft
         draft, evidence = self._lookup(request, tokens, k)
         # the step's context itself (committed tokens and the engine's prefix), not one extended by drafts
         if len(tokens) == len(request.all_token_ids) + prefix_length(request):

@@ -325,8 +325,24 @@ def _arguments(text: str, path: str) -> dict[str, Any]:
     return args
 
 
+class Prediction(_Request):
+    """OpenAI's Predicted Outputs: text the answer is expected to repeat for the most part."""
+    type: Literal["content"]
+    content: str | list[ContentPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise ParamError(f"prediction.content.{j}", f"prediction.content.{j} must be a 'text' part with "
+                                                            "its 'text' field.")
+        return "".join(part.text for part in self.content)
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    prediction: Prediction | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -392,7 +408,10 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs requires logprobs=true.")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, tool_parser)
+        params = self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, tool_parser)
+        if self.prediction is not None:
+            params = params.clone(prediction=self.prediction.text() or None)
+        return params
 
 
 # ---------------------------------------------------------------- responses

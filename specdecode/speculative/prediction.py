@@ -1,0 +1,48 @@
+"""Drafts from a request's predicted output (OpenAI's Predicted Outputs: ``prediction`` on a chat request).
+
+A client that knows most of the answer in advance (a file to rewrite with a small change, a document to
+re-emit with corrections) sends it as the prediction. The lookup sources (prompt lookup, suffix decoding) then
+draft from it first: while the output so far is a prefix of the prediction, the next tokens of the prediction;
+once the output has left it (an edit), the continuation of the output's latest tokens where they occur in the
+prediction, at the occurrence nearest to the output's own length, since an edit moves the rest of the text by a
+little, not to another repeat of the same lines. The drafts are verified as any other, so the output is the
+target's whatever the prediction says; a wrong prediction only costs rejected rows.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+MIN_MATCH = 2   # output tokens that must match the prediction to pick up from it again after leaving it
+MAX_MATCH = 16  # the longest match tried first
+
+
+def predicted(request, tokens: list[int], k: int) -> list[int]:
+    """Up to k tokens of ``request``'s prediction that should follow ``tokens`` (its context, possibly extended by
+    drafts); none without a prediction or where the output matches no part of it."""
+    pred = getattr(request, "prediction_ids", None)
+    if not pred or k <= 0:
+        return []
+    out = tokens[len(request.prompt_token_ids):]
+    n = len(out)
+    if pred[:n] == out:
+        return list(pred[n:n + k])
+    return _resync(np.asarray(pred, dtype=np.int64), np.asarray(out, dtype=np.int64), k)
+
+
+def _resync(pred: np.ndarray, out: np.ndarray, k: int) -> list[int]:
+    """What follows the longest suffix of ``out`` (MAX_MATCH down to MIN_MATCH tokens) in ``pred``, at the
+    occurrence ending nearest to position len(out)."""
+    total = len(out)
+    if total < MIN_MATCH:
+        return []
+    ends = np.flatnonzero(pred[:len(pred) - 1] == out[-1])  # something must follow a match
+    for n in range(min(MAX_MATCH, total), MIN_MATCH - 1, -1):
+        hits = ends[ends >= n - 1]
+        for d in range(1, n):
+            if not hits.size:
+                break
+            hits = hits[pred[hits - d] == out[total - 1 - d]]
+        if hits.size:
+            start = int(hits[np.argmin(np.abs(hits + 1 - total))]) + 1
+            return pred[start:start + k].tolist()
+    return []
