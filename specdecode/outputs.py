@@ -38,6 +38,9 @@ class RequestMetrics:
     finished_time: float | None = None
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    # With SamplingParams.prediction, once finished: its tokens that appear in the output and the rest (OpenAI's)
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
 
 
 @dataclass

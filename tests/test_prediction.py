@@ -2,12 +2,14 @@
 output unchanged whatever the prediction says, and a clear refusal where speculation cannot use one."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
 from specdecode import SamplingParams
 from specdecode.engine.llm_engine import LLMEngine
-from specdecode.speculative.prediction import predicted
+from specdecode.speculative.prediction import predicted, prediction_usage
 
 MAX_LEN = 256
 
@@ -30,6 +32,13 @@ def test_drafts_follow_the_prediction_and_pick_it_up_again_after_an_edit():
     assert predicted(r, [1, 2, 3] + pred, 4) == []  # the output is the whole prediction: nothing left
     assert predicted(r, [1, 2, 3, 50, 51], 4) == []  # matches no part of it
     assert predicted(_Req([1], None), [1, 5], 4) == []
+
+
+def test_prediction_usage_counts_the_predicted_tokens_the_output_kept():
+    assert prediction_usage([1, 2, 3, 4, 5], [1, 2, 3, 4, 5]) == (5, 0)
+    assert prediction_usage([1, 2, 3, 4, 5], [1, 2, 9, 9, 4, 5, 6]) == (4, 1)  # 3 was replaced
+    assert prediction_usage([7, 7, 7, 7], [7, 7]) == (2, 2)
+    assert prediction_usage([1, 2], []) == (0, 2)
 
 
 @pytest.fixture(scope="module")
@@ -121,5 +130,13 @@ def test_server_takes_openai_prediction(smollm2):
                                                prediction=prediction, extra_body={"ignore_eos": True})
             assert r.choices[0].message.content == text
             assert stats.num_accepted_tokens - accepted >= 40  # nearly all 48 tokens came from the prediction
+            details = r.usage.completion_tokens_details
+            assert details.accepted_prediction_tokens >= 44 and details.rejected_prediction_tokens <= 4, details
+        assert h.post("/v1/chat/completions", json=body).json()["usage"].get("completion_tokens_details") is None
+        stream = h.post("/v1/chat/completions", json=dict(body, stream=True, stream_options={"include_usage": True},
+                                                          prediction={"type": "content", "content": text[:30]}))
+        usage = [json.loads(line[6:]) for line in stream.text.splitlines()
+                 if line.startswith("data: {") and '"usage"' in line][-1]["usage"]
+        assert usage["completion_tokens_details"]["accepted_prediction_tokens"] > 0
         bad = h.post("/v1/chat/completions", json=dict(body, prediction={"type": "text", "content": text}))
         assert bad.status_code == 400 and "prediction" in bad.text, bad.text

@@ -58,6 +58,7 @@ class Request:
         self.prompt_logprobs: PromptLogprobs | None = (
             [None] if params.prompt_logprobs is not None and index == 0 else None)
         self.metrics = RequestMetrics(arrival_time=time.time())
+        self.prediction_ids: list[int] | None = None  # SamplingParams.prediction's tokens (the engine sets them)
         # adaptive k: this request's acceptance of draft-model drafts and of drafts looked up in its context
         self.acceptance = Acceptance()
         self.lookup_acceptance = Acceptance()
@@ -108,6 +109,12 @@ class Request:
                                 lp, self.finish_reason, self.stop_reason)
 
     def to_output(self, delta: bool = False) -> RequestOutput:
+        m = self.metrics
+        if self.prediction_ids and self.finished and m.accepted_prediction_tokens is None:
+            from specdecode.speculative.prediction import prediction_usage
+
+            m.accepted_prediction_tokens, m.rejected_prediction_tokens = prediction_usage(self.prediction_ids,
+                                                                                          self.output_token_ids)
         out = RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [self.completion(delta)],
                             self.finished, self.metrics, self.error,
                             None if self.needs_prompt_logprobs else self.prompt_logprobs)

@@ -10,6 +10,8 @@ target's whatever the prediction says; a wrong prediction only costs rejected ro
 """
 from __future__ import annotations
 
+import difflib
+
 import numpy as np
 
 MIN_MATCH = 2   # output tokens that must match the prediction to pick up from it again after leaving it
@@ -46,3 +48,11 @@ def _resync(pred: np.ndarray, out: np.ndarray, k: int) -> list[int]:
             start = int(hits[np.argmin(np.abs(hits + 1 - total))]) + 1
             return pred[start:start + k].tolist()
     return []
+
+
+def prediction_usage(prediction: list[int], output: list[int]) -> tuple[int, int]:
+    """OpenAI's (accepted_prediction_tokens, rejected_prediction_tokens): the prediction's tokens that appear in
+    the output, in order (the matching blocks of a diff of the two), and the rest of them."""
+    matcher = difflib.SequenceMatcher(None, prediction, output, autojunk=False)  # junk heuristics would undercount
+    accepted = sum(block.size for block in matcher.get_matching_blocks())
+    return accepted, len(prediction) - accepted

@@ -43,9 +43,9 @@ from specdecode.entrypoints.openai.protocol import (ChatChoice, ChatCompletionCh
                                                     ChatCompletionResponse, ChatLogprobs, ChatResponseMessage,
                                                     ChatStreamChoice, CompletionChoice, CompletionChunk,
                                                     CompletionLogprobs, CompletionRequest, CompletionResponse,
-                                                    DeltaMessage, ErrorResponse, ModelCard, ModelList, ParamError,
-                                                    SpecDecodeSummary,
-                                                    TokenLogprob, TopLogprob, UsageInfo)
+                                                    CompletionTokensDetails, DeltaMessage, ErrorResponse, ModelCard,
+                                                    ModelList, ParamError, SpecDecodeSummary, TokenLogprob, TopLogprob,
+                                                    UsageInfo)
 from specdecode.outputs import CompletionOutput, Logprob, RequestOutput
 from specdecode.sampling_params import SamplingParams
 from specdecode.speculative.metrics import SpecDecodeStats
@@ -172,7 +172,13 @@ def _spec_summary(stats: list[SpecDecodeStats]) -> SpecDecodeSummary:
 def _usage(outs: list[RequestOutput], generated: bool = True) -> UsageInfo:
     p = sum(len(o.prompt_token_ids) for o in outs)
     c = sum(len(x.token_ids) for o in outs for x in o.outputs) if generated else 0
-    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+    usage = UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+    predicted = [o.metrics for o in outs if o.metrics is not None and o.metrics.accepted_prediction_tokens is not None]
+    if predicted:
+        usage.completion_tokens_details = CompletionTokensDetails(
+            accepted_prediction_tokens=sum(m.accepted_prediction_tokens for m in predicted),
+            rejected_prediction_tokens=sum(m.rejected_prediction_tokens for m in predicted))
+    return usage
 
 
 def _spec_of(outs: list[RequestOutput]) -> SpecDecodeSummary:

@@ -415,10 +415,16 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 # ---------------------------------------------------------------- responses
+class CompletionTokensDetails(_Response):
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class UsageInfo(_Response):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    completion_tokens_details: CompletionTokensDetails | None = None  # with a prediction
 
 
 class SpecDecodeSummary(_Response):
