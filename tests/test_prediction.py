@@ -140,3 +140,23 @@ def test_server_takes_openai_prediction(smollm2):
         assert usage["completion_tokens_details"]["accepted_prediction_tokens"] > 0
         bad = h.post("/v1/chat/completions", json=dict(body, prediction={"type": "text", "content": text}))
         assert bad.status_code == 400 and "prediction" in bad.text, bad.text
+
+
+def test_generate_takes_a_prediction_file(smollm2, tmp_path):
+    from test_cli import assert_one_line_error, run_cli
+
+    args = ["generate", "-m", smollm2, "--spec-type", "ngram", "--draft", 8, "--raw", "-p", "Once upon a time",
+            "-n", 48, "--ignore-eos", "--json", "-t", 1]
+    p = run_cli(*args)
+    assert p.returncode == 0, p.stderr
+    plain = json.loads(p.stdout)
+    pred = tmp_path / "prediction.txt"
+    pred.write_text(plain["text"], encoding="utf-8")
+    p = run_cli(*args, "--prediction", pred)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["token_ids"] == plain["token_ids"]
+    assert out["stats"]["n_accept"] >= 40 > plain["stats"]["n_accept"], (out["stats"], plain["stats"])
+    assert_one_line_error(run_cli(*args, "--prediction", tmp_path / "missing.txt"), "cannot read prediction file")
+    p = run_cli("generate", "-m", smollm2, "--spec-type", "none", "-p", "hi", "-n", 4, "--prediction", pred)
+    assert_one_line_error(p, "prediction needs a speculative method that drafts by lookup")

@@ -34,6 +34,9 @@ def add_parser(sub) -> None:
     gi.add_argument("--echo", action="store_true", help="print the prompt before the generated text (--raw)")
     gi.add_argument("--json", action="store_true",
                     help="print one JSON object (text, token ids, stats) to stdout instead of streaming")
+    gi.add_argument("--prediction", metavar="FILE", default=None,
+                    help="text the answer will mostly repeat, e.g. a file to edit (OpenAI's predicted outputs): "
+                         "lookups draft from it first; the answer stays the model's own")
     gc = g.add_argument_group("structured output (llama.cpp's flags)")
     gx = gc.add_mutually_exclusive_group()
     gx.add_argument("-j", "--json-schema", "--json-schema-file", dest="json_schema", metavar="FILE", default=None,
@@ -89,6 +92,12 @@ def run(args) -> int:
     if not prompt.strip() and not args.chat:
         raise CLIError("the prompt is empty")
     params = sampling_params(args)  # validates before the slow model load
+    if args.prediction is not None:
+        try:
+            params = params.clone(prediction=Path(args.prediction).expanduser().read_text(encoding="utf-8") or None)
+        except (OSError, UnicodeDecodeError) as e:
+            raise CLIError(f"cannot read prediction file {args.prediction}: {getattr(e, 'strerror', None) or e}") \
+                from None
     constraint = _constraint(args)
     if constraint is not None:
         params = params.clone(structured_outputs=constraint)
