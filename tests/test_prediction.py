@@ -133,6 +133,9 @@ def test_server_takes_openai_prediction(smollm2):
             details = r.usage.completion_tokens_details
             assert details.accepted_prediction_tokens >= 44 and details.rejected_prediction_tokens <= 4, details
         assert h.post("/v1/chat/completions", json=body).json()["usage"].get("completion_tokens_details") is None
+        two = h.post("/v1/chat/completions", json=dict(body, n=2, prediction={"type": "content", "content": text}))
+        details = two.json()["usage"]["completion_tokens_details"]
+        assert details["accepted_prediction_tokens"] >= 88, details  # both choices, each nearly all of 48
         stream = h.post("/v1/chat/completions", json=dict(body, stream=True, stream_options={"include_usage": True},
                                                           prediction={"type": "content", "content": text[:30]}))
         usage = [json.loads(line[6:]) for line in stream.text.splitlines()

@@ -369,9 +369,15 @@ class AsyncLLMEngine:
                     spec.merge(ch.metrics.spec_decode)
                 firsts = [ch.metrics.first_token_time for ch in children if ch.metrics.first_token_time]
                 ends = [ch.metrics.finished_time for ch in children if ch.metrics.finished_time]
+                predicted = [ch.metrics for ch in children if ch.metrics.accepted_prediction_tokens is not None]
+                done = out.finished and len(predicted) == len(children)
                 m = RequestMetrics(m.arrival_time, min(firsts) if firsts else None,
                                    max(ends) if out.finished and ends else None,
-                                   min(ch.metrics.num_cached_tokens for ch in children), spec_decode=spec)
+                                   min(ch.metrics.num_cached_tokens for ch in children), spec_decode=spec,
+                                   accepted_prediction_tokens=sum(c.accepted_prediction_tokens for c in predicted)
+                                   if done else None,
+                                   rejected_prediction_tokens=sum(c.rejected_prediction_tokens for c in predicted)
+                                   if done else None)
             else:
                 s = m.spec_decode
                 m = dataclasses.replace(m, spec_decode=SpecDecodeStats(s.num_drafts, s.num_draft_tokens,

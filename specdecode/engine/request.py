@@ -99,6 +99,12 @@ class Request:
         return self.status == Status.FINISHED
 
     def completion(self, delta: bool = False) -> CompletionOutput:
+        m = self.metrics
+        if self.prediction_ids and self.finished and m.accepted_prediction_tokens is None:  # once, when done
+            from specdecode.speculative.prediction import prediction_usage
+
+            m.accepted_prediction_tokens, m.rejected_prediction_tokens = prediction_usage(self.prediction_ids,
+                                                                                          self.output_token_ids)
         text, ids = self.text, self.output_token_ids
         if delta:
             text, ids = text[self.sent_text:], ids[self.sent_tokens:]
@@ -109,12 +115,6 @@ class Request:
                                 lp, self.finish_reason, self.stop_reason)
 
     def to_output(self, delta: bool = False) -> RequestOutput:
-        m = self.metrics
-        if self.prediction_ids and self.finished and m.accepted_prediction_tokens is None:
-            from specdecode.speculative.prediction import prediction_usage
-
-            m.accepted_prediction_tokens, m.rejected_prediction_tokens = prediction_usage(self.prediction_ids,
-                                                                                          self.output_token_ids)
         out = RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [self.completion(delta)],
                             self.finished, self.metrics, self.error,
                             None if self.needs_prompt_logprobs else self.prompt_logprobs)
