@@ -6,32 +6,23 @@ import numpy as np
 from specdecode.speculative.adaptive import AdaptiveK
 from specdecode.speculative.prediction import predicted
 from specdecode.speculative.proposer import Proposal, Proposer
+from specdecode.speculative.suffix_match import longest_suffix_matches
 
 
 def ngram_lookup(tokens: list[int] | np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
     """k tokens copied from after the latest earlier match of the longest suffix (n_max down to n_min), or
     none if nothing matches."""
     toks = np.asarray(tokens, dtype=np.int64)
-    total = len(toks)
-    if total < 2 or k <= 0:
+    if len(toks) < 2 or k <= 0:
         return []
-    # Every match ends at a position j < total - 1 holding the context's last token (something must follow
-    # it): one pass finds those, and longer suffixes only narrow them down, instead of comparing every window
-    # of every length.
-    ends = np.flatnonzero(toks[:total - 1] == toks[-1])
-    for n in range(min(n_max, total - 1), n_min - 1, -1):
-        hits = ends[ends >= n - 1]
-        for d in range(1, n):
-            if not hits.size:
-                break
-            hits = hits[toks[hits - d] == toks[total - 1 - d]]
-        if hits.size:
-            # The latest match is often close to the end (text that repeats a short cycle), leaving fewer
-            # than k tokens after it. The copy then runs on into its own output, as an LZ77 copy does
-            # (np.resize repeats what is there cyclically), which keeps the cycle going for all k.
-            start = int(hits[-1]) + 1
-            return np.resize(toks[start:start + k], k).tolist()
-    return []
+    hits = longest_suffix_matches(toks, toks, n_min, n_max)
+    if not hits.size:
+        return []
+    # The latest match is often close to the end (text that repeats a short cycle), leaving fewer than k tokens
+    # after it. The copy then runs on into its own output, as an LZ77 copy does (np.resize repeats what is there
+    # cyclically), which keeps the cycle going for all k.
+    start = int(hits[-1]) + 1
+    return np.resize(toks[start:start + k], k).tolist()
 
 
 class NgramProposer(Proposer):

@@ -14,6 +14,8 @@ import difflib
 
 import numpy as np
 
+from specdecode.speculative.suffix_match import longest_suffix_matches
+
 MIN_MATCH = 2   # output tokens that must match the prediction to pick up from it again after leaving it
 MAX_MATCH = 16  # the longest match tried first
 
@@ -34,20 +36,13 @@ def predicted(request, tokens: list[int], k: int) -> list[int]:
 def _resync(pred: np.ndarray, out: np.ndarray, k: int) -> list[int]:
     """What follows the longest suffix of ``out`` (MAX_MATCH down to MIN_MATCH tokens) in ``pred``, at the
     occurrence ending nearest to position len(out)."""
-    total = len(out)
-    if total < MIN_MATCH:
+    if len(out) < MIN_MATCH:
         return []
-    ends = np.flatnonzero(pred[:len(pred) - 1] == out[-1])  # something must follow a match
-    for n in range(min(MAX_MATCH, total), MIN_MATCH - 1, -1):
-        hits = ends[ends >= n - 1]
-        for d in range(1, n):
-            if not hits.size:
-                break
-            hits = hits[pred[hits - d] == out[total - 1 - d]]
-        if hits.size:
-            start = int(hits[np.argmin(np.abs(hits + 1 - total))]) + 1
-            return pred[start:start + k].tolist()
-    return []
+    hits = longest_suffix_matches(pred, out, MIN_MATCH, MAX_MATCH)
+    if not hits.size:
+        return []
+    start = int(hits[np.argmin(np.abs(hits + 1 - len(out)))]) + 1
+    return pred[start:start + k].tolist()
 
 
 def prediction_usage(prediction: list[int], output: list[int]) -> tuple[int, int]:
