@@ -181,6 +181,13 @@ class LLMEngine:
         longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
         return 2 * self.max_model_len * max(longest, 1)
 
+    def _cannot_fit(self, text: str) -> bool:
+        """Whether ``text`` has more characters than max_model_len tokens can hold, told without tokenizing it
+        (tokenizing megabytes only to say so would stall the caller). The bound is at least 2 * max_model_len,
+        and shorter text skips it: finding the vocabulary's longest entry reads the whole vocabulary (a large
+        one takes a noticeable moment), which would otherwise delay a first answer."""
+        return len(text) > 2 * self.max_model_len and len(text) > self.max_prompt_chars
+
     @functools.cached_property
     def grammar_compiler(self):
         """Compiles structured-output constraints for this tokenizer (built at the first constrained request)."""
@@ -201,11 +208,7 @@ class LLMEngine:
             if not isinstance(prompt, str):
                 raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}.")
             check_text(prompt, "prompt")
-            # Checked before tokenizing: no token is longer than the vocabulary's longest entry, so such a
-            # prompt cannot fit, and tokenizing megabytes only to say so would stall its caller. The bound is
-            # at least 2 * max_model_len, and shorter prompts skip it: finding the longest entry reads the whole
-            # vocabulary (a large one takes a noticeable moment), which would otherwise delay a first answer.
-            if len(prompt) > 2 * self.max_model_len and len(prompt) > self.max_prompt_chars:
+            if self._cannot_fit(prompt):
                 raise ValueError(f"The prompt has {len(prompt)} characters, more than {self.max_model_len} tokens "
                                  f"(max_model_len) can hold; shorten the prompt or raise max_model_len.")
             ids = self.tokenizer.encode(prompt)
@@ -263,7 +266,7 @@ class LLMEngine:
             method = "off" if self.proposer is None else f"'{self.config.speculative.method}'"
             raise ValueError(f"prediction needs a speculative method that drafts by lookup (the default, ngram or "
                              f"suffix); speculative decoding here is {method}.")
-        if len(prediction) > 2 * self.max_model_len and len(prediction) > self.max_prompt_chars:  # see encode_prompt
+        if self._cannot_fit(prediction):
             raise ValueError(f"The prediction has {len(prediction)} characters, more than {self.max_model_len} "
                              "tokens (max_model_len) can hold; shorten it.")
         return self.tokenizer.encode(prediction, add_special_tokens=False)
