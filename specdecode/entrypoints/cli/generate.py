@@ -50,15 +50,21 @@ def add_parser(sub) -> None:
     g.set_defaults(func=run)
 
 
+def _read_text(path: str, failure: str, stdin: bool = False) -> str:
+    """The UTF-8 text of file ``path`` (with ``stdin``, ``-`` is standard input); a user error ``failure: why``
+    if it cannot be read."""
+    try:
+        return sys.stdin.read() if stdin and path == "-" else Path(path).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CLIError(f"{failure}: {getattr(e, 'strerror', None) or e}") from None
+
+
 def _read_prompt(args) -> str:
     if args.prompt is not None and args.file is not None:
         raise CLIError("give the prompt with -p or -f, not both")
     if args.file is None:
         return args.prompt if args.prompt is not None else DEFAULT_PROMPT
-    try:
-        prompt = sys.stdin.read() if args.file == "-" else Path(args.file).expanduser().read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise CLIError(f"cannot read prompt file {args.file}: {getattr(e, 'strerror', None) or e}") from None
+    prompt = _read_text(args.file, f"cannot read prompt file {args.file}", stdin=True)
     return prompt[:-1] if args.file != "-" and prompt.endswith("\n") else prompt
 
 
@@ -75,10 +81,7 @@ def _constraint(args):
     if inline and not Path(path).expanduser().is_file():
         text = path
     else:
-        try:
-            text = Path(path).expanduser().read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise CLIError(f"{flag}: cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+        text = _read_text(path, f"{flag}: cannot read {path}")
     try:
         return StructuredOutputsParams(**{kind: text})
     except ValueError as e:
@@ -93,11 +96,8 @@ def run(args) -> int:
         raise CLIError("the prompt is empty")
     params = sampling_params(args)  # validates before the slow model load
     if args.prediction is not None:
-        try:
-            params = params.clone(prediction=Path(args.prediction).expanduser().read_text(encoding="utf-8") or None)
-        except (OSError, UnicodeDecodeError) as e:
-            raise CLIError(f"cannot read prediction file {args.prediction}: {getattr(e, 'strerror', None) or e}") \
-                from None
+        text = _read_text(args.prediction, f"cannot read prediction file {args.prediction}")
+        params = params.clone(prediction=text or None)
     constraint = _constraint(args)
     if constraint is not None:
         params = params.clone(structured_outputs=constraint)
