@@ -51,6 +51,20 @@ def test_the_package_and_the_command_line_parser_do_not_import_torch():
     assert _count_collections("on", code)[2] == "False"
 
 
+def test_the_server_module_parses_its_flags_before_importing_the_server():
+    """``python -m specdecode.entrypoints.openai.api_server`` is ``specdecode serve``: --help and a bad flag
+    answer without importing torch or the web stack."""
+    cmd = [sys.executable, "-c", "import runpy, sys\n"
+           "try:\n    runpy.run_module('specdecode.entrypoints.openai.api_server', run_name='__main__')\n"
+           "finally:\n    print('loaded:', sorted({'torch', 'fastapi'} & set(sys.modules)), file=sys.stderr)"]
+    helped = subprocess.run([*cmd, "--help"], capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0 and "--speculative-config" in helped.stdout and "--port" in helped.stdout
+    assert "loaded: []" in helped.stderr, helped.stderr
+    bad = subprocess.run([*cmd, "--no-such-flag"], capture_output=True, text=True, timeout=60)
+    lines = [x for x in bad.stderr.splitlines() if x.strip()]
+    assert bad.returncode == 2 and "--no-such-flag" in lines[0] and lines[1:] == ["loaded: []"], bad.stderr
+
+
 @pytest.fixture
 def gc_seen(monkeypatch):
     """Whether the collector was on while the engine loaded its models and while it ran steps."""

@@ -1,10 +1,19 @@
 """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
 One AsyncLLMEngine (one engine thread doing continuous batching) serves every request. Run it with
-``python -m specdecode.entrypoints.openai.api_server --model PATH [--speculative-model DRAFT|[ngram]
---num-speculative-tokens K ...]`` or ``specdecode serve [MODEL] ...``.
+``specdecode serve [MODEL] ...`` or its older vLLM spelling ``python -m specdecode.entrypoints.openai.api_server
+--model PATH ...`` (the same command, flags and errors).
 """
 from __future__ import annotations
+
+if __name__ == "__main__":
+    # ``python -m`` runs this file as __main__: parse the command line before the imports below (torch, the
+    # web stack), so that --help and a bad flag answer at once. The server itself imports this module again
+    # under its own name.
+    import sys
+
+    from specdecode.entrypoints.openai.cli_args import module_main
+    sys.exit(module_main())
 
 import argparse
 import asyncio
@@ -936,22 +945,7 @@ def run_server(args: argparse.Namespace, model: str | None, engine: AsyncLLMEngi
             sock.close()
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse prints usage + message; keep it to one line
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def main(argv: list[str] | None = None) -> None:
-    parser = _OneLineParser(prog="python -m specdecode.entrypoints.openai.api_server",
-                            description="OpenAI-compatible server with speculative decoding.")
-    parser.add_argument("--model", default=None, help="Target model: HF directory or .gguf (default: the "
-                                                      "embedded default pair).")
-    add_server_args(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    startup.pause()  # until the engine is loaded (startup.py)
-    run_server(args, args.model)
-
-
-if __name__ == "__main__":
-    main()
+    """``python -m specdecode.entrypoints.openai.api_server``: see cli_args.module_main."""
+    from specdecode.entrypoints.openai.cli_args import module_main
+    sys.exit(module_main(argv))

@@ -136,3 +136,12 @@ def out_of_memory_message(kw: dict[str, Any]) -> str:
                                   f"--max-model-len {n}" if n else "") if x)
     return (f"the KV cache{f' for {size}' if size else ''} does not fit in memory (the allocation failed); lower "
             "--max-model-len or --max-num-seqs.")
+
+
+def module_main(argv: list[str] | None = None) -> int:
+    """``python -m specdecode.entrypoints.openai.api_server [MODEL] [flags]``, vLLM's older spelling: the same
+    command as ``specdecode serve``, with its flags, start-up and one-line errors."""
+    import sys
+
+    from specdecode.entrypoints.cli import main
+    return main(["serve", *(sys.argv[1:] if argv is None else argv)])
