@@ -196,6 +196,18 @@ def eos_ids(tokenizer, hf_config: dict) -> set[int]:
     return ids
 
 
+def encode_text(tokenizer, text: str) -> list[int]:
+    """A prompt's token ids, with the special tokens the tokenizer adds (a BOS for llama-style models). A chat
+    template usually writes the BOS into the text itself; then the BOS the tokenizer adds would be a second one,
+    which the model never saw in training, so it is dropped (llama.cpp warns of the same double BOS)."""
+    ids = tokenizer.encode(text)
+    bos, bos_text = getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "bos_token", None)
+    if (bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos and isinstance(bos_text, str) and bos_text
+            and text.startswith(bos_text)):
+        return ids[1:]
+    return ids
+
+
 def apply_chat_template(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                         tools: list[dict[str, Any]] | None = None, **template_kwargs: Any) -> str:
     """The conversation as the model's template renders it. ``tools`` (OpenAI function definitions) and

@@ -172,3 +172,38 @@ def test_bench_serve_counts_a_chat_prompt_in_tokens(pair):
                          add_special_tokens=False))
     assert want > 20
     assert _count_prompt(tok, messages) == _count_prompt(hf, messages) == want
+
+
+def test_a_chat_prompt_that_writes_its_bos_gets_one_bos(tiny_models, tmp_path):
+    """A llama-style tokenizer adds a BOS, and templates such as Phi-3's and Command-R's write one too: the prompt
+    must start with one BOS (as the model was trained), not two. A prompt without it keeps the added one."""
+    import shutil
+
+    from tokenizers import Tokenizer, processors
+    from transformers import AutoTokenizer
+
+    from specdecode import LLM, SamplingParams
+    from specdecode.tokenizer import encode_text
+
+    model = tmp_path / "bos_model"
+    shutil.copytree(tiny_models["llama"], model)
+    raw = Tokenizer.from_file(str(model / "tokenizer.json"))
+    bos = raw.token_to_id("<|endoftext|>")
+    raw.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A", pair="<|endoftext|> $A $B",
+                                                       special_tokens=[("<|endoftext|>", bos)])
+    raw.save(str(model / "tokenizer.json"))
+    hf = AutoTokenizer.from_pretrained(str(model))
+    hf.chat_template = "{{ bos_token }}" + hf.chat_template
+    hf.save_pretrained(str(model))
+    tok = AutoTokenizer.from_pretrained(str(model))
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert tok.encode(text)[:2] == [bos, bos]  # what encoding the text alone gives
+    assert encode_text(tok, text) == tok.encode(text)[1:]
+    assert encode_text(tok, "hi") == tok.encode("hi") and tok.encode("hi")[0] == bos != tok.encode("hi")[1]
+
+    llm = LLM(model=str(model), speculative_config={"method": "none"}, max_model_len=128)
+    params = SamplingParams(max_tokens=2, temperature=0)
+    (chat,) = llm.chat([{"role": "user", "content": "hi"}], params)
+    assert chat.prompt_token_ids == tok.encode(text)[1:]
+    (plain,) = llm.generate(["hi"], params)
+    assert plain.prompt_token_ids == tok.encode("hi")

@@ -26,7 +26,7 @@ from specdecode.speculative.proposer import Proposal, Proposer
 from specdecode.speculative.rejection_sampler import rejection_sample
 from specdecode.structured.speculation import (commit_token, constrain_proposal, forced_drafts, learn_spelling,
                                                 mask_rows, matcher_of)
-from specdecode.tokenizer import eos_ids, load_tokenizer, same_tokenizer_files
+from specdecode.tokenizer import encode_text, eos_ids, load_tokenizer, same_tokenizer_files
 
 # The most prompt rows one pass computes for a request that wants its prompt's logprobs: each row's logits span
 # the vocabulary, so a chunk's are this many rows of it at most.
@@ -211,7 +211,7 @@ class LLMEngine:
             if self._cannot_fit(prompt):
                 raise ValueError(f"The prompt has {len(prompt)} characters, more than {self.max_model_len} tokens "
                                  f"(max_model_len) can hold; shorten the prompt or raise max_model_len.")
-            ids = self.tokenizer.encode(prompt)
+            ids = encode_text(self.tokenizer, prompt)
         if not ids:
             bos = getattr(self.tokenizer, "bos_token_id", None)
             if bos is None:
