@@ -520,6 +520,9 @@ def test_api_key_and_queue_full(engine_kwargs):
             _err(httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x"}, headers=headers), 401,
                  "invalid_api_key")
         _err(httpx.get(f"{url}/v1/models"), 401)
+        for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+            _err(httpx.post(f"{url}{path}", json=body), 401)
+            assert httpx.post(f"{url}{path}", json=body, headers={"Authorization": "Bearer sekret"}).status_code == 200
         # the key check comes first, whatever the body
         _err(httpx.post(f"{url}/v1/completions", content=b"{", headers={"content-type": "application/json"}), 401)
         assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/metrics").status_code == 200
@@ -666,3 +669,36 @@ def test_metrics_carry_vllms_spec_decode_names(url, client):
     assert sum(per_pos.values()) == after["vllm:spec_decode_num_accepted_tokens_total"]
     for k, v in per_pos.items():
         assert after[k.replace("vllm:", "specdecode:", 1)] == v
+
+
+def test_tokenize_and_detokenize_give_the_ids_a_request_feeds_the_model(url, client):
+    """vLLM's /tokenize and /detokenize: a prompt's count is a completion's usage.prompt_tokens, and messages'
+    count is a chat completion's; detokenize inverts tokenize; bad bodies are 400s that name the field."""
+    prompt = "The quick brown fox"
+    got = httpx.post(f"{url}/tokenize", json={"model": MODEL, "prompt": prompt, "return_token_strs": True}).json()
+    done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    assert got["count"] == len(got["tokens"]) == done.usage.prompt_tokens and got["max_model_len"] == MAX_LEN
+    assert len(got["token_strs"]) == got["count"] and "".join(got["token_strs"]).replace("\u0120", " ") == prompt
+    assert httpx.post(f"{url}/detokenize", json={"tokens": got["tokens"]}).json() == {"prompt": prompt}
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    chat = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()
+    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert chat["count"] == answer.usage.prompt_tokens and "token_strs" not in chat
+    bare = httpx.post(f"{url}/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+    assert bare["tokens"] == chat["tokens"][:bare["count"]] and bare["count"] < chat["count"]
+
+    for path, body, param in (("/tokenize", {"prompt": prompt, "messages": messages}, "prompt"),
+                              ("/tokenize", {"prompt": prompt, "truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),
+                              ("/tokenize", {"prompt": 5}, "prompt"),
+                              ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+                              ("/tokenize", {"prompt": prompt, "model": "other"}, "model"),
+                              ("/detokenize", {"tokens": [1, 10 ** 6]}, "tokens"),
+                              ("/detokenize", {"tokens": [-1]}, "tokens"),
+                              ("/detokenize", {"tokens": "abc"}, "tokens")):
+        r = httpx.post(f"{url}{path}", json=body)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (body, r.text)
+    r = httpx.post(f"{url}/tokenize", content=b"[1, 2]", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/tokenize", content=b"{nope", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"

@@ -36,6 +36,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -52,14 +53,15 @@ from specdecode.entrypoints.openai.protocol import (ChatChoice, ChatCompletionCh
                                                     ChatCompletionResponse, ChatLogprobs, ChatResponseMessage,
                                                     ChatStreamChoice, CompletionChoice, CompletionChunk,
                                                     CompletionLogprobs, CompletionRequest, CompletionResponse,
-                                                    CompletionTokensDetails, DeltaMessage, ErrorResponse, ModelCard,
-                                                    ModelList, ParamError, SpecDecodeSummary, TokenLogprob, TopLogprob,
-                                                    UsageInfo)
+                                                    CompletionTokensDetails, DeltaMessage, DetokenizeRequest,
+                                                    DetokenizeResponse, ErrorResponse, ModelCard, ModelList, ParamError,
+                                                    SpecDecodeSummary, TokenizeChatRequest, TokenizeCompletionRequest,
+                                                    TokenizeResponse, TokenLogprob, TopLogprob, UsageInfo)
 from specdecode.outputs import CompletionOutput, Logprob, RequestOutput
 from specdecode.sampling_params import SamplingParams
 from specdecode.speculative.metrics import SpecDecodeStats
 from specdecode.structured.tools import get_tool_parser, resolve_tool_parser, xgrammar_message
-from specdecode.tokenizer import apply_chat_template
+from specdecode.tokenizer import apply_chat_template, encode_text
 
 logger = logging.getLogger("specdecode.server")
 
@@ -495,6 +497,12 @@ class OpenAIServer:
         ch.text = max(ch.text, end)
         return delta, len(c.token_ids)
 
+    def token_ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        """/tokenize: with the special tokens, the ids a request with this text feeds the model."""
+        if add_special_tokens:
+            return encode_text(self.tokenizer, text)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     # ---- chat ----
     def chat_prompt(self, body: ChatCompletionRequest) -> str:
         try:
@@ -610,7 +618,8 @@ class _Gate:
         self.on_reject = on_reject
         self.max_body = max_body_bytes
         self.body_timeout = body_timeout
-        self.protected = ("/v1", "/openapi.json") + (("/metrics",) if metrics_require_key else ())
+        self.protected = ("/v1", "/tokenize", "/detokenize", "/openapi.json") + (
+            ("/metrics",) if metrics_require_key else ())
 
     async def _reject(self, send, err: APIError) -> None:
         self.on_reject(err.status)
@@ -668,7 +677,7 @@ class _Gate:
             return await receive()  # after the body: disconnect notices
 
         ctype = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
-        if path.startswith("/v1") and ctype in _JSON_LIKE:
+        if path.startswith(("/v1", "/tokenize", "/detokenize")) and ctype in _JSON_LIKE:
             scope = dict(scope, headers=[(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"]
                          + [(b"content-type", b"application/json")])
         await self.app(scope, replay, send)
@@ -694,6 +703,26 @@ def _openapi(app: FastAPI) -> dict:
                     responses["400"] = dict(error, description="Invalid request")
         app.openapi_schema = schema
     return app.openapi_schema
+
+
+async def _json_object(request: Request) -> dict:
+    """A route's body read by hand: a JSON object, or the 400 FastAPI's own parsing would give."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except ValueError as e:
+        raise APIError(400, f"The request body is not valid JSON ({e}).", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"The request body must be a JSON object, got {type(data).__name__}.",
+                       code="invalid_value")
+    return data
+
+
+def _validated(model: type[BaseModel], data: dict) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise _validation_error(RequestValidationError(e.errors())) from None
 
 
 def _normalise_prompts(prompt: Any) -> list[tuple[str | None, list[int] | None]]:
@@ -807,6 +836,33 @@ def build_app(engine_kwargs: dict | None = None, served_model_name: str | list[s
         except ValueError as e:  # SamplingParams' checks start with the field's name
             msg = str(e).replace("Invalid SamplingParams: ", "")
             raise APIError(400, msg, param=_field_param(msg), code="invalid_value") from None
+
+    # vLLM's tokenizer endpoints. The body is a completion's prompt or a chat's messages, told apart by which
+    # field it has, so that an unknown field is named against the one form it was meant for.
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        data = await _json_object(request)
+        body = _validated(TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest, data)
+        srv.check_model(body.model)
+        if isinstance(body, TokenizeChatRequest):
+            text = await run_in_threadpool(srv.chat_prompt, body.as_chat_request())
+        else:
+            text = body.prompt
+        ids = await run_in_threadpool(srv.token_ids, text, body.add_special_tokens)
+        strs = srv.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids,
+                                token_strs=strs).model_dump(exclude_none=True)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        srv.check_model(body.model)
+        vocab = len(srv.tokenizer)
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"tokens holds {bad}, outside this tokenizer's ids 0..{vocab - 1}.", param="tokens",
+                           code="invalid_value")
+        text = await run_in_threadpool(srv.tokenizer.decode, body.tokens)
+        return DetokenizeResponse(prompt=text).model_dump()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

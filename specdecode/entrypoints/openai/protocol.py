@@ -545,3 +545,42 @@ class ModelCard(_Response):
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ---------------------------------------------------------------- tokenizer endpoints (vLLM's /tokenize, /detokenize)
+class TokenizeCompletionRequest(_Request):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True  # true: the ids a completion request with this prompt feeds the model
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Request):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True  # true: the ids a chat request with these messages feeds the model
+    return_token_strs: bool = False
+    tools: list[ChatTool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def as_chat_request(self) -> ChatCompletionRequest:
+        """The chat request whose prompt this is (the template sees the same messages and tools)."""
+        return ChatCompletionRequest(messages=self.messages, add_generation_prompt=self.add_generation_prompt,
+                                     tools=self.tools, chat_template_kwargs=self.chat_template_kwargs)
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
