@@ -408,3 +408,29 @@ def test_budget_below_one_entry_keeps_the_new_one(cache, monkeypatch, warnings_s
     _put(cache, "c")
     assert _names(cache) == ["c"] and tmp.is_file()
     assert len(warnings_seen) == 1 and "alone exceeds the cache budget" in warnings_seen[0]
+
+
+def test_the_one_call_checksums_equal_torch_sums_from_the_mapping_and_from_the_file(tmp_path):
+    """kernels.words_sums (every tensor of an entry in one GIL-free call) against the torch sums it replaces:
+    odd lengths, words that wrap modulo 2^64, items read from the file, and a file that ends inside an item."""
+    import mmap
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=g)
+    data[:4096] = 255  # words near 2^64: the sums wrap
+    path = tmp_path / "blob"
+    path.write_bytes(data.numpy().tobytes() + bytes(8))  # whole words past the last item, as entries are padded
+    items = [(0, 4096, False), (3, 17, False), (64, 1 << 19, True), (100, 1, True), (8192, 999_999, False),
+             (0, 0, False)]
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # as entries are mapped
+        base = torch.frombuffer(mm, dtype=torch.uint8).data_ptr()
+        got = kernels.words_sums(base, f.fileno(), items)
+        assert got is not None, "the extension is built for these tests"
+        whole = torch.cat([data, torch.zeros(8, dtype=torch.uint8)])  # a sum reads an item's last word whole
+        want = [pc._words_sum(whole[off:off + -(-n // 8) * 8].clone()) for off, n, _ in items]
+        assert got == want
+        assert [pc._file_words_sum(f.fileno(), off, n) for off, n, _ in items] == want
+        assert kernels.words_sums(base, f.fileno(), [(len(data) - 8, 64, True)]) == [None]
+        del base
+        mm.close()

@@ -769,6 +769,14 @@ def top_probability(row: torch.Tensor) -> float | None:
     return float(fn(row.data_ptr(), row.numel()))
 
 
+def words_sums(base: int, fd: int, items: list[tuple[int, int, bool]]) -> list[int | None] | None:
+    """The packed cache's checksums (models/packed_cache.py) of ``items`` (offset, bytes, read from ``fd``
+    instead of the mapping at ``base``) in one call that releases the GIL, or None without the extension."""
+    ext = None if _disabled() else _get_ext()
+    fn = getattr(ext, "words_sums", None)
+    return fn(base, fd, items) if fn is not None else None
+
+
 def set_amx(enabled: bool) -> bool:
     """Let multi-row integer calls (w8a8 from 3 rows, w4a8 from 7) use AMX tiles; on by default where the CPU
     has them and the OS grants them, ``SPECDECODE_AMX=0`` keeps them off. The results are bitwise the same

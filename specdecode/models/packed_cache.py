@@ -151,6 +151,22 @@ def _file_words_sum(fd: int, offset: int, nbytes: int) -> int:
     return total
 
 
+def _checksums(mm: mmap.mmap | None, fd: int, placed: list[tuple[dict, torch.dtype, int, int]]) -> Iterable[int | None]:
+    """The word sums of ``placed`` tensors (record, dtype, file offset, bytes): read from the mapping, or from
+    the file for lazy ones. The kernel extension does all of them in one call without the GIL; torch one tensor
+    at a time where it is not at hand. None: the file ends inside the tensor."""
+    from specdecode.layers import kernels
+
+    if mm is not None and placed:
+        base = torch.frombuffer(mm, dtype=torch.uint8, count=1).data_ptr()
+        sums = kernels.words_sums(base, fd, [(off, nbytes, bool(r["lazy"])) for r, _, off, nbytes in placed])
+        if sums is not None:
+            return sums
+    return (_file_words_sum(fd, off, nbytes) if r["lazy"] else
+            int(torch.frombuffer(mm, dtype=torch.int64, count=-(-nbytes // 8), offset=off).sum()) & _MASK
+            for r, _, off, nbytes in placed)
+
+
 # ---------------------------------------------------------------------------------------------------- writing
 def write_entry(final: Path, key: dict, meta: dict, tensors: dict[str, torch.Tensor],
                 lazy: Iterable[str] = (), before_verify: Callable[[], None] | None = None) -> Entry:
@@ -346,21 +362,20 @@ def read_entry(path: Path, key: dict) -> Entry:
             mm.madvise(mmap.MADV_WILLNEED, lo, hi - lo)
             if hi <= size:
                 huge_pages.register(mm, lo, hi)  # moved once the engine is built (huge_pages.start)
+        placed = []
         for r in records:
             try:
                 dtype = getattr(torch, r["dtype"])
                 off, nbytes = data_start + int(r["offset"]), int(r["nbytes"])
-                if not isinstance(dtype, torch.dtype) or off + nbytes > size:
+                if not isinstance(dtype, torch.dtype) or off + -(-nbytes // 8) * 8 > size:  # sums read whole words
                     raise ValueError
             except (AttributeError, KeyError, TypeError, ValueError):
                 raise CorruptEntry(f"its record of tensor {r.get('name')!r} is malformed") from None
             if nbytes == 0:
                 tensors[r["name"]] = torch.empty(r["shape"], dtype=dtype)
-                continue
-            if r["lazy"]:
-                got = _file_words_sum(f.fileno(), off, nbytes)
             else:
-                got = int(torch.frombuffer(mm, dtype=torch.int64, count=-(-nbytes // 8), offset=off).sum()) & _MASK
+                placed.append((r, dtype, off, nbytes))
+        for (r, dtype, off, nbytes), got in zip(placed, _checksums(mm, f.fileno(), placed)):
             if got != r["sum"]:
                 raise CorruptEntry(f"tensor {r['name']} fails its checksum")
             t = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=off).view(dtype)
