@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -333,6 +334,10 @@ class EngineConfig:
         if self.device == "auto":
             import torch
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if type(self.device).__name__ == "device":  # a torch.device
+            self.device = str(self.device)
+        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}.")
         if self.device.startswith("cuda"):
             import torch
             if not torch.cuda.is_available():

@@ -195,3 +195,18 @@ def test_chat_ctrl_c_aborts_only_the_reply(tiny_models):
     err = err.decode()
     assert proc.returncode == 0, err
     assert "interrupted" in err and "Traceback" not in err
+
+
+def test_closed_standard_streams_and_a_bad_device_give_no_traceback(tiny_models):
+    """Started with stdin or stdout closed (`<&-`, `>&-`): stdin reads as empty and output goes nowhere, as with
+    /dev/null. An unknown --device is a one-line error before anything loads."""
+    import shlex
+
+    base = f"{shlex.quote(sys.executable)} -m specdecode"
+    model = shlex.quote(str(tiny_models["llama"]))
+    for cmd, code, needle in ((f"{base} generate -m {model} -f - <&-", 2, "error: the prompt is empty"),
+                              (f"{base} chat -m {model} --spec-type none <&-", 0, "Commands:"),
+                              (f"{base} generate -m {model} -p hi -n 2 --spec-type none >&-", 0, "load time"),
+                              (f"{base} generate -m {model} -p hi --device bogus", 2, "error: device must be")):
+        p = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=300, cwd=ROOT, env=_env())
+        assert p.returncode == code and needle in p.stderr and "Traceback" not in p.stderr, (cmd, p.stderr)

@@ -702,3 +702,27 @@ def test_tokenize_and_detokenize_give_the_ids_a_request_feeds_the_model(url, cli
     assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
     r = httpx.post(f"{url}/tokenize", content=b"{nope", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
+def test_echo_of_token_ids_outside_the_vocabulary_is_a_400_and_the_connection_lives(url):
+    """echo decodes the prompt's ids: they are checked first, so a bad id is the same 400 as without echo (it
+    was a 500 that closed the client's keep-alive connection)."""
+    with httpx.Client(timeout=60) as h:
+        for prompt in ([-1], [[-3]], [10 ** 30], [1, 2, 10 ** 6]):
+            err = _err(h.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": prompt, "echo": True,
+                                                              "max_tokens": 1}), 400)
+            assert err["param"] == "prompt" and "must be in [0," in err["message"], err
+        ok = h.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": [5, 6], "echo": True, "max_tokens": 1})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("flag,value", [("--max-request-body-bytes", "-1"), ("--max-request-body-bytes", "0"),
+                                        ("--limit-concurrency", "-1"), ("--request-body-timeout", "nan"),
+                                        ("--request-body-timeout", "-5"), ("--timeout-graceful-shutdown", "inf"),
+                                        ("--timeout-graceful-shutdown", "-1"), ("--num-replicas", "0")])
+def test_server_limits_that_would_refuse_every_request_are_refused_at_start(flag, value, capsys):
+    from specdecode.entrypoints.cli import main
+
+    assert main(["serve", flag, value]) == 2
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert len(err) == 1 and flag in err[0] and value in err[0], err

@@ -214,7 +214,12 @@ def test_server_tool_errors(url):
                           "tool_choice.function.name"),
                          ({"tool_choice": "required"}, "tool_choice"),
                          ({"tools": TOOLS + [bad_tool], "tool_choice": "required"}, "tools.2.function.parameters"),
-                         ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "guided_regex")):
+                         ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "guided_regex"),
+                         # a client's own template would run in the server: refused, as are tokenizer options
+                         ({"chat_template_kwargs": {"chat_template": "{{ 'a' * 500000000 }}"}},
+                          "chat_template_kwargs.chat_template"),
+                         ({"chat_template_kwargs": {"return_tensors": "pt"}}, "chat_template_kwargs.return_tensors"),
+                         ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages")):
         r = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": msgs, "max_tokens": 4,
                                                             **extra}, timeout=60)
         err = r.json()["error"]

@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     command = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
     if command is not None and argv[command:command + 2] == ["bench", "serve"]:
         argv[command:command + 2] = ["bench-serve"]  # `bench serve` is its own parser: `bench` keeps its flags
+    for name, mode in (("stdin", "r"), ("stdout", "w"), ("stderr", "w")):
+        if getattr(sys, name) is None:  # started with the descriptor closed (`<&-`): read as empty, write to nowhere
+            setattr(sys, name, open(os.devnull, mode))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     args = None

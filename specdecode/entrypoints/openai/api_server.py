@@ -274,6 +274,18 @@ class _ClientGone(Exception):
 
 
 # ====================================================================== server state
+# chat_template_kwargs go to the model's template as its variables (Qwen3's enable_thinking, RAG templates'
+# documents). These keys are not variables: they would replace what the request's own fields say, run a template
+# the client wrote (a Jinja template can take the server's memory and time), or ask for tokenizer outputs.
+_TEMPLATE_KWARGS_REFUSED = {
+    **{k: "use the request's own field." for k in ("messages", "conversation", "tools", "add_generation_prompt")},
+    "chat_template": "the server renders the model's own chat template; a request cannot bring its own.",
+    **{k: "the server tokenizes the rendered prompt itself." for k in (
+        "tokenize", "return_dict", "return_tensors", "return_assistant_tokens_mask", "padding", "truncation",
+        "max_length", "tokenizer_kwargs")},
+}
+
+
 class OpenAIServer:
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], api_key: str | None,
                  metrics: ServerMetrics, model_path: str | None = None, tool_call_parser: str = "auto"):
@@ -508,9 +520,10 @@ class OpenAIServer:
         try:
             messages = [m.as_template_dict(f"messages.{i}") for i, m in enumerate(body.messages)]
             kwargs = dict(body.chat_template_kwargs or {})
-            for reserved in ("messages", "tools", "tokenize", "add_generation_prompt", "conversation"):
-                if reserved in kwargs:
-                    raise ValueError(f"chat_template_kwargs may not set {reserved!r}; use the request field.")
+            for key in kwargs:
+                why = _TEMPLATE_KWARGS_REFUSED.get(key)
+                if why is not None:
+                    raise ParamError(f"chat_template_kwargs.{key}", f"chat_template_kwargs may not set {key!r}: {why}")
             return apply_chat_template(self.tokenizer, messages, body.add_generation_prompt, tools=body.tool_dicts(),
                                        **kwargs)
         except ValueError as e:
@@ -871,10 +884,10 @@ def build_app(engine_kwargs: dict | None = None, served_model_name: str | list[s
         srv.check_vocab(params)
         await srv.compile_constraint(params, body.constraint_param())
         prompts = _normalise_prompts(body.prompt)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        streams = await srv.start(rid, prompts, params, "prompt")  # checks the token ids before echo decodes them
         echoes = [text if text is not None else srv.tokenizer.decode(ids) for text, ids in prompts] \
             if body.echo else [""] * len(prompts)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = await srv.start(rid, prompts, params, "prompt")
         if body.stream:
             return StreamingResponse(srv.stream_completion(rid, model, body, params, echoes, streams),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

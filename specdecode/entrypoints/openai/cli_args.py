@@ -29,6 +29,28 @@ def port_number(text: str) -> int:
     return port
 
 
+def _number(kind: type, low: float, low_ok: bool):
+    """An argparse type: a finite ``kind`` above ``low`` (or equal to it, with ``low_ok``), checked while the
+    flags are parsed, so a server never starts with limits that refuse every request."""
+    bound = f">= {low:g}" if low_ok else f"> {low:g}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        if not (value >= low if low_ok else value > low) or value != value or value in (float("inf"), -float("inf")):
+            raise argparse.ArgumentTypeError(f"must be {'finite and ' if kind is float else ''}{bound}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
+_POSITIVE_INT, _POSITIVE_SECONDS, _SECONDS = _number(int, 0, False), _number(float, 0, False), _number(float, 0, True)
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     """The server's flags (the model itself is added by the caller)."""
     g = parser.add_argument_group("server")
@@ -41,25 +63,25 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="Model name(s) clients use in the 'model' field (default: the model argument).")
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
-    g.add_argument("--timeout-graceful-shutdown", type=float, default=30.0, metavar="SECONDS",
+    g.add_argument("--timeout-graceful-shutdown", type=_SECONDS, default=30.0, metavar="SECONDS",
                    help="Seconds in-flight requests get to finish after SIGINT/SIGTERM (default 30); streams "
                         "still running then end with an error event.")
-    g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+    g.add_argument("--max-request-body-bytes", type=_POSITIVE_INT, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                    help=f"Larger request bodies get HTTP 413 before they are parsed (default {DEFAULT_MAX_BODY_BYTES}).")
-    g.add_argument("--request-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT, metavar="SECONDS",
+    g.add_argument("--request-body-timeout", type=_POSITIVE_SECONDS, default=DEFAULT_BODY_TIMEOUT, metavar="SECONDS",
                    help="A request body that stalls this long gets HTTP 408 (default 30).")
-    g.add_argument("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY, metavar="N",
+    g.add_argument("--limit-concurrency", type=_POSITIVE_INT, default=DEFAULT_LIMIT_CONCURRENCY, metavar="N",
                    help=f"Open connections beyond this get HTTP 503 at once (default {DEFAULT_LIMIT_CONCURRENCY}).")
     g.add_argument("--metrics-require-key", action="store_true",
                    help="Put /metrics behind --api-key too (default: open, as in vLLM; /health is always open).")
     r = parser.add_argument_group("ray serve")
     r.add_argument("--ray", action="store_true",
                    help="Serve through Ray Serve, with --num-replicas engine replicas (pip install 'specdecode[ray]').")
-    r.add_argument("--num-replicas", type=int, default=None, metavar="N",
+    r.add_argument("--num-replicas", type=_POSITIVE_INT, default=None, metavar="N",
                    help="Engine replicas under Ray Serve (with --ray; default 1).")
     r.add_argument("--ray-address", default=None, metavar="ADDRESS",
                    help="Join this Ray cluster (default: $RAY_ADDRESS, else a local one).")
-    r.add_argument("--num-cpus-per-replica", type=int, default=None, metavar="N",
+    r.add_argument("--num-cpus-per-replica", type=_POSITIVE_INT, default=None, metavar="N",
                    help="CPUs Ray reserves per replica, also its engine's thread count unless --threads is given.")
     r.add_argument("--request-router", choices=("prefix", "pow2"), default=None,
                    help="How Ray Serve picks a replica: prefix (default: the replica that holds the longest shared "
