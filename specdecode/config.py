@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -334,10 +333,7 @@ class EngineConfig:
         if self.device == "auto":
             import torch
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if type(self.device).__name__ == "device":  # a torch.device
-            self.device = str(self.device)
-        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
-            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}.")
+        self._check_device()
         if self.device.startswith("cuda"):
             import torch
             if not torch.cuda.is_available():
@@ -352,6 +348,17 @@ class EngineConfig:
             raise ValueError(f"quantization={self.quantization!r} uses this package's CPU kernels and is not "
                              f"available on device={self.device!r}; on a GPU use dtype='bfloat16' or 'float16' "
                              "instead.")
+
+    def _check_device(self) -> None:
+        import torch
+
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}.") from None
+        if device.type == "meta":
+            raise ValueError("device 'meta' holds no data: use 'cpu' or 'cuda'.")
+        self.device = str(device)
 
     def _resolve_weight_formats(self, preset: presets.Preset) -> None:
         """'auto' -> concrete formats: the preset's on CPU for checkpoints of at least preset.quantize_min_bytes
