@@ -313,6 +313,9 @@ def test_server_min_tokens_and_logit_bias(server, eos_early, engines):
 @pytest.mark.parametrize("extra, needle", [
     ({"logit_bias": {"1000000": 5}}, "outside this model's vocabulary"),
     ({"logit_bias": {"abc": 5}}, "logit_bias keys"),
+    ({"logit_bias": {"\u00b2": 5}}, "logit_bias keys"),  # int() raises on a superscript two
+    ({"logit_bias": {"\u0661": 5}}, "logit_bias keys"),  # and reads an Arabic-Indic one as 1
+    ({"logit_bias": {"7" * 5000: 5}}, "logit_bias keys"),
     ({"logit_bias": {"5": 150}}, "logit_bias values"),
     ({"logit_bias": {"5": "high"}}, "logit_bias"),
     ({"min_tokens": -1}, "min_tokens"),

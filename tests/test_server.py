@@ -726,3 +726,13 @@ def test_server_limits_that_would_refuse_every_request_are_refused_at_start(flag
     assert main(["serve", flag, value]) == 2
     err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
     assert len(err) == 1 and flag in err[0] and value in err[0], err
+
+
+def test_prompts_times_n_beyond_the_waiting_limit_is_a_400_not_retry_later(url):
+    """The server's waiting limit is 64: 5 prompts x n=16 could start only on an idle server, so they are refused
+    for good (a 503 would have the client retry forever); 4 x 16 runs."""
+    body = {"model": MODEL, "prompt": [[1, 2]] * 5, "n": 16, "max_tokens": 1}
+    err = _err(httpx.post(f"{url}/v1/completions", json=body, timeout=60), 400)
+    assert err["param"] == "prompt" and "80 sequences" in err["message"], err
+    ok = httpx.post(f"{url}/v1/completions", json=dict(body, prompt=[[1, 2]] * 4), timeout=120)
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 64

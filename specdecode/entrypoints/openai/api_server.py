@@ -336,6 +336,14 @@ class OpenAIServer:
     # ---- running requests ----
     async def start(self, base_id: str, prompts: list[tuple[str | None, list[int] | None]],
                     params: SamplingParams, prompt_param: str) -> list[RequestStream]:
+        scheduler = getattr(getattr(self.engine, "engine", None), "scheduler", None)
+        total = len(prompts) * params.n
+        if len(prompts) > 1 and scheduler is not None and total > max(scheduler.max_waiting, 1):
+            # Together they could be queued only while enough slots happen to be free: refuse for good, not 503.
+            raise APIError(400, f"{len(prompts)} prompts x n={params.n} make {total} sequences, more than the waiting "
+                                f"limit of {scheduler.max_waiting}, so this request could not be queued while the "
+                                "server is busy; send fewer prompts per request or lower n.", param=prompt_param,
+                           code="invalid_value")
         streams: list[RequestStream] = []
         try:
             for i, (text, ids) in enumerate(prompts):

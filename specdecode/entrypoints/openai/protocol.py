@@ -11,7 +11,7 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specdecode.sampling_params import SamplingParams, check_text
 from specdecode.structured import StructuredOutputsParams
@@ -113,6 +113,15 @@ class _SamplingRequest(_Request):
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None  # OpenAI: token id (a string key) -> bias in [-100, 100]
     min_tokens: int = Field(0, ge=0)  # vLLM: EOS, stop_token_ids and stop strings count only after this many
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        # Python's int() also reads other scripts' digits ("١" is 1) and raises on "²": only ASCII ids are ids.
+        for key in bias or ():
+            if not (key.isascii() and key.isdigit() and len(key) <= 12):
+                raise ValueError(f"logit_bias keys must be token ids in decimal digits, got {key[:20]!r}.")
+        return bias
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
