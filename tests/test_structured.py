@@ -179,6 +179,9 @@ def test_grammar_termination_ends_the_request_even_with_ignore_eos(engines):
     (dict(json='{"type": "object",'), "not valid JSON"),
     (dict(regex="(ab"), "regex"),
     (dict(grammar='root ::= "a" | ('), "grammar"),
+    # constraints no text satisfies: refused when compiled, not a failure at the first token
+    (dict(regex="[^\\s\\S]"), "no text satisfies it"),
+    (dict(json={"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}), "no text satisfies it"),
 ])
 def test_bad_constraints_are_value_errors(engines, kwargs, needle):
     llm = engines("none")

@@ -160,6 +160,10 @@ class GrammarCompiler:
             msg = str(e).strip().splitlines()
             raise ValueError(f"Invalid {kind} constraint: {msg[0] if msg else type(e).__name__}"
                              + (f" {' '.join(m.strip() for m in msg[1:3])}" if len(msg) > 1 else "")) from None
+        if not Matcher(compiled, self.vocab_size, self.tokenizer, self.spellings).allowed()[0].any():
+            # e.g. the regex [^\s\S] or a schema that only refers to itself: every request would fail at its
+            # first token, so the constraint is the caller's error.
+            raise ValueError(f"Invalid {kind} constraint: no text satisfies it (it allows no first token).")
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > self._cache_size:

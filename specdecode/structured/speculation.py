@@ -161,6 +161,9 @@ def mask_rows(request, rows: torch.Tensor, drafts: Sequence[int]) -> torch.Tenso
     if m is None:
         return rows
     allowed = m.allowed(list(drafts[:rows.shape[0] - 1])).to(rows.device)
+    if not bool(allowed[0].any()):
+        raise RuntimeError("The request's output constraint allows no token after this output: no text can "
+                           "complete it from here.")
     n, V = rows.shape[0], min(rows.shape[-1], allowed.shape[-1])
     if request.params.greedy:
         # A greedy row only needs its argmax: where the model's own choice is allowed, masking changes nothing.
