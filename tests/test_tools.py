@@ -51,6 +51,35 @@ def test_hermes_stream_matches_parse(step):
     assert [c["function"]["name"] for c in calls] == ["get_weather", "set_units"]
 
 
+@pytest.mark.parametrize("step", [1, 7, 1000])
+def test_one_call_at_most_when_parallel_calls_are_off(step):
+    """parallel_tool_calls false (max_calls 1): the first call only, and the later call's markup never shows."""
+    content, calls = HermesToolParser(max_calls=1).parse(TEXT)
+    assert content == "Let me check." and [c["function"]["name"] for c in calls] == ["get_weather"]
+    p, streamed, got = HermesToolParser(max_calls=1), "", []
+    for i in range(0, len(TEXT), step):
+        c, k = p.stream(TEXT[i:i + step], False)
+        streamed, got = streamed + c, got + k
+    c, k = p.stream("", True)
+    assert (streamed + c).strip() == "Let me check." and [x["function"]["name"] for x in got + k] == ["get_weather"]
+
+
+def test_server_keeps_one_call_when_parallel_calls_are_off(url):
+    """In auto mode the output is free, so two calls can come out; with parallel_tool_calls false the answer
+    carries the first one only, streamed or not."""
+    two = ['<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>\n'
+           '<tool_call>{"name": "set_units", "arguments": {"unit": "C"}}</tool_call>']
+    kw = dict(model="tiny", messages=HISTORY, tools=TOOLS, max_tokens=400, extra_body={"guided_choice": two})
+    client = _client(url)
+    both = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    assert [c.function.name for c in both] == ["get_weather", "set_units"]
+    one = client.chat.completions.create(parallel_tool_calls=False, **kw).choices[0]
+    assert [c.function.name for c in one.message.tool_calls] == ["get_weather"] and not one.message.content
+    names = [d.function.name for ch in client.chat.completions.create(parallel_tool_calls=False, stream=True, **kw)
+             if ch.choices for d in ch.choices[0].delta.tool_calls or []]
+    assert names == ["get_weather"]
+
+
 def test_unknown_parser():
     with pytest.raises(ValueError, match="hermes"):
         get_tool_parser("nope")

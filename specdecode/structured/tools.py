@@ -57,13 +57,19 @@ def _new_call(name: str, arguments: Any) -> dict[str, Any]:
 class ToolParser:
     """Finds tool calls in a model's output. ``parse`` takes a whole answer; ``stream`` takes text deltas and
     holds back what may still be the start of a call, so streamed content never contains call markup;
-    ``constraint`` is the grammar of an answer made only of calls in this format."""
+    ``constraint`` is the grammar of an answer made only of calls in this format. With ``max_calls``
+    (``parallel_tool_calls: false``) the calls after that many are dropped, markup and all."""
 
     name = ""
 
-    def __init__(self):
+    def __init__(self, max_calls: int | None = None):
         self._buf = ""
         self._calls = 0
+        self.max_calls = max_calls
+
+    def _room(self, calls: int) -> bool:
+        """Whether one more call may be returned after ``calls`` calls."""
+        return self.max_calls is None or calls < self.max_calls
 
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """(content outside the calls, or None when empty; the calls in OpenAI's shape)."""
@@ -107,9 +113,9 @@ def resolve_tool_parser(name: str) -> type[ToolParser]:
     return cls
 
 
-def get_tool_parser(name: str) -> ToolParser:
+def get_tool_parser(name: str, max_calls: int | None = None) -> ToolParser:
     """A fresh parser (parsers keep streaming state: one per answer)."""
-    return resolve_tool_parser(name)()
+    return resolve_tool_parser(name)(max_calls)
 
 
 @register_tool_parser("hermes")
@@ -135,7 +141,8 @@ class HermesToolParser(ToolParser):
             if call is None:
                 continue  # not a valid call: it stays in the content, as the model wrote it
             content.append(text[pos:m.start()])
-            calls.append(call)
+            if self._room(len(calls)):
+                calls.append(call)
             pos = m.end()
         content.append(text[pos:])
         rest = "".join(content).strip() if calls else "".join(content)
@@ -165,7 +172,7 @@ class HermesToolParser(ToolParser):
             call = self._call(self._buf[start + len(self.START):end].strip())
             if call is None:
                 out.append(self._buf[start:end + len(self.END)])
-            else:
+            elif self._room(self._calls):
                 calls.append({"index": self._calls, **call})
                 self._calls += 1
             self._buf = self._buf[end + len(self.END):]

@@ -546,7 +546,7 @@ class OpenAIServer:
             lp = self.chat_logprobs(c, 0, len(c.token_ids), body.top_logprobs or 0) if body.logprobs else None
             content, calls, finish = c.text, None, c.finish_reason
             if body.tool_mode != "none":
-                content, calls = get_tool_parser(self.tool_call_parser).parse(c.text)
+                content, calls = get_tool_parser(self.tool_call_parser, body.max_tool_calls).parse(c.text)
                 calls = calls or None
                 if calls and finish == "stop":
                     finish = "tool_calls"
@@ -562,7 +562,7 @@ class OpenAIServer:
         choices = {i: _Choice(i) for i in range(body.n)}
         hold = max((len(s) for s in params.stop), default=1) - 1
         top_n = body.top_logprobs or 0
-        parsers = {i: get_tool_parser(self.tool_call_parser) for i in range(body.n)} \
+        parsers = {i: get_tool_parser(self.tool_call_parser, body.max_tool_calls) for i in range(body.n)} \
             if body.tool_mode != "none" else {}
         called: set[int] = set()
 

@@ -371,6 +371,11 @@ class ChatCompletionRequest(_SamplingRequest):
             return "named"
         return self.tool_choice or "auto"
 
+    @property
+    def max_tool_calls(self) -> int | None:
+        """parallel_tool_calls false: one call at most (required / named modes also constrain the output)."""
+        return 1 if self.parallel_tool_calls is False else None
+
     def tool_dicts(self) -> list[dict[str, Any]] | None:
         """The tools for the chat template (none when tool_choice is "none": the model is not to call any)."""
         if self.tool_mode == "none":
