@@ -39,6 +39,8 @@ class SavedTokenizer:
                           "return_assistant_tokens_mask", "sanitize_control_tokens", "padding", "truncation",
                           "max_length", "tokenizer_kwargs"})
 
+    _LONG_TEXT = 16384  # characters
+
     def __init__(self, backend, config: dict[str, Any], chat_template: str | None, folder: Path,
                  name_or_path: str):
         self._backend = backend
@@ -76,6 +78,10 @@ class SavedTokenizer:
 
     # -- what the engine, the server and the proposers use
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > self._LONG_TEXT:
+            # encode holds the GIL for all of it (a second per megabyte); encode_batch gives the same ids without
+            # it, so the engine thread keeps stepping the running streams while a long prompt is split.
+            return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: int | Iterable[int], skip_special_tokens: bool = False) -> str:

@@ -19,6 +19,8 @@ TEXTS = [
     "Café, naïve, 日本語, 한국어, Ελληνικά — ok?  ", "emoji 🙂👍🏽 and a ZWJ 👩‍👩‍👧", "\u00a0\u2003tabs\t\tand nbsp",
     "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "<|endoftext|>x<|endoftext|>", "<|im_start",
     "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>", "1234567890 3.14159 -42", "a" * 300,
+    # past SavedTokenizer._LONG_TEXT: split without holding the GIL, to the same ids
+    "<|im_start|>user\n" + "Café 🙂 def f(x):\n\treturn x ** 2  # 日本語\n" * 700 + "<|im_end|>",
 ]
 
 TOOLS = [{"type": "function", "function": {
@@ -172,6 +174,31 @@ def test_bench_serve_counts_a_chat_prompt_in_tokens(pair):
                          add_special_tokens=False))
     assert want > 20
     assert _count_prompt(tok, messages) == _count_prompt(hf, messages) == want
+
+
+def test_a_long_prompt_is_split_while_other_threads_run(pair):
+    """A long prompt (past SavedTokenizer._LONG_TEXT) is tokenized without the GIL: another thread keeps running
+    (the engine's, stepping other streams); transformers' tokenizer held it."""
+    import threading
+    import time
+
+    tok, _ = pair
+    text = "The quick brown fox jumps over the lazy dog, 12345 times; " * 8000
+    ticks, done = [0], threading.Event()
+
+    def spin():
+        while not done.is_set():
+            ticks[0] += 1
+            time.sleep(0.0005)
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    start = time.perf_counter()
+    ids = tok.encode(text)
+    took = time.perf_counter() - start
+    done.set()
+    spinner.join()
+    assert len(ids) > 100_000 and ticks[0] >= 0.2 * took / 0.0005, (ticks[0], took)
 
 
 def test_a_chat_prompt_that_writes_its_bos_gets_one_bos(tiny_models, tmp_path):
