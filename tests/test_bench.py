@@ -306,3 +306,17 @@ def test_modeled_seconds_prices_the_logged_passes_by_the_calibrated_costs():
     costs.add_draft(0, 0.05, rows=8)
     assert modeled_seconds(log, costs) == pytest.approx(0.04 + 0.5 * 0.01 + 0.05 + 0.01)
     assert modeled_seconds(log, CostModel()) is None  # not calibrated
+
+
+def test_bench_refuses_flags_it_would_ignore_before_running(tiny_models, tmp_path, capsys):
+    """Flags that would do nothing (or fail only after the whole run) are one-line errors at once."""
+    plot_file = tmp_path / "charts.png"
+    plot_file.write_text("")
+    base = ["bench", "-m", str(tiny_models["llama"]), "--dataset", "humaneval", "-t", "1"]
+    for extra, needle in ((["--method", ""], "--method"), (["--categories", ""], "--categories"),
+                          (["--sizes", "2"], "--sizes applies to --verify-cost"),
+                          (["--repeats", "3"], "--repeats applies to --verify-cost"),
+                          (["--plot", str(plot_file)], "is a file")):
+        assert main([*base, *extra]) == 2, extra
+        err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+        assert len(err) == 1 and needle in err[0], (extra, err)

@@ -210,3 +210,17 @@ def test_closed_standard_streams_and_a_bad_device_give_no_traceback(tiny_models)
                               (f"{base} generate -m {model} -p hi --device bogus", 2, "error: device must be")):
         p = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=300, cwd=ROOT, env=_env())
         assert p.returncode == code and needle in p.stderr and "Traceback" not in p.stderr, (cmd, p.stderr)
+
+
+def test_generate_refuses_flags_it_would_ignore(tiny_models, capsys):
+    """--system without a chat template and --echo on a chat prompt did nothing; now each is a one-line error."""
+    from specdecode.entrypoints.cli import main
+
+    model = str(tiny_models["llama"])
+    for extra, needle in ((["--raw", "--system", "Be brief."], "--system"), (["--echo", "--chat"], "--echo"),
+                          (["--echo"], "add --raw")):
+        assert main(["generate", "-m", model, "-p", "hi", "-n", "2", "-t", "1", *extra]) == 2, extra
+        err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+        assert len(err) == 1 and needle in err[0], (extra, err)
+    assert main(["generate", "-m", model, "-p", "hi", "-n", "2", "-t", "1", "--raw", "--echo"]) == 0
+    assert capsys.readouterr().out.startswith("hi")

@@ -526,6 +526,7 @@ def test_api_key_and_queue_full(engine_kwargs):
         # the key check comes first, whatever the body
         _err(httpx.post(f"{url}/v1/completions", content=b"{", headers={"content-type": "application/json"}), 401)
         assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/metrics").status_code == 200
+        assert httpx.head(f"{url}/health").status_code == 200  # load balancers probe with HEAD too
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{url}/v1", api_key="bad", max_retries=0).models.list()
         good = openai.OpenAI(base_url=f"{url}/v1", api_key="sekret", max_retries=0, timeout=60)

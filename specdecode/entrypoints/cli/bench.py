@@ -15,6 +15,8 @@ _METHODS = {"ngram": "ngram", "draft": "draft", "draft_model": "draft", "hybrid"
 
 
 def _methods(s: str) -> list[str]:
+    if not s.replace(",", "").strip():
+        raise argparse.ArgumentTypeError("expected methods such as ngram,draft; got none")
     out = []
     for p in (x.strip().lower() for x in s.split(",")):
         if not p:
@@ -85,10 +87,10 @@ def add_parser(sub) -> None:
     bv.add_argument("--verify-cost", action="store_true",
                     help="instead of the benchmark: time one target forward pass over 1, 2, 4, 8, 16 query "
                          "tokens after a short prefill, relative to 1 token")
-    bv.add_argument("--sizes", type=_sizes, default=[1, 2, 4, 8, 16], metavar="N,N",
+    bv.add_argument("--sizes", type=_sizes, default=None, metavar="N,N",
                     help="query sizes to time (default 1,2,4,8,16)")
-    bv.add_argument("--prefill", type=int_at_least(1), default=64, metavar="N", help="prefill length (default 64)")
-    bv.add_argument("--repeats", type=int_at_least(1), default=10, metavar="N",
+    bv.add_argument("--prefill", type=int_at_least(1), default=None, metavar="N", help="prefill length (default 64)")
+    bv.add_argument("--repeats", type=int_at_least(1), default=None, metavar="N",
                     help="timed rounds over all sizes (median; default 10)")
     add_engine_flags(b, "bench")
     b.set_defaults(func=run)
@@ -145,8 +147,13 @@ def settings_from_args(args):
 
 
 def run(args) -> int:
+    if args.plot and Path(args.plot).expanduser().exists() and not Path(args.plot).expanduser().is_dir():
+        raise CLIError(f"--plot {args.plot} is a file; pass a directory for the charts")
     if args.verify_cost:
         return _verify_cost(args)
+    given = [f for f in ("sizes", "prefill", "repeats") if getattr(args, f) is not None]
+    if given:
+        raise CLIError(f"--{given[0]} applies to --verify-cost")
     from specdecode.bench.datasets import load_dataset
     from specdecode.bench.runner import BenchRunner
     from specdecode.sampling_params import SamplingParams
@@ -154,7 +161,9 @@ def run(args) -> int:
     if args.dataset is None:
         raise CLIError("bench needs --dataset PATH (Spec-Bench JSONL, ShareGPT JSON, text) or --dataset humaneval")
     settings = settings_from_args(args)
-    cats = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
+    cats = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories is not None else None
+    if cats == []:
+        raise CLIError("--categories names no category")
     dataset = load_dataset(args.dataset, args.num_prompts, cats)
     if dataset.note:
         print(f"note: {dataset.name}: {dataset.note}", file=sys.stderr)
@@ -184,25 +193,27 @@ def _verify_cost(args) -> int:
     from specdecode.bench.runner import verify_cost
     from specdecode.engine.llm_engine import LLMEngine
 
-    sizes = sorted(set([1] + args.sizes))
+    sizes = sorted(set([1] + (args.sizes or [2, 4, 8, 16])))
     kw = {k: v for k, v in dict(model=_target(args), dtype=_flag(args, "engine", "dtype"),
                                quantization=_flag(args, "engine", "quantization"), seed=seed_of(args),
                                num_threads=_flag(args, "engine", "num_threads"),
                                max_model_len=_flag(args, "engine", "max_model_len"),
                                compile=_flag(args, "engine", "compile")).items() if v is not None}
     engine = LLMEngine(build_config(dict(kw, max_num_seqs=1, speculative_method="none")))
-    rows = verify_cost(engine, sizes, args.prefill, args.repeats)
+    prefill = 64 if args.prefill is None else args.prefill
+    repeats = 10 if args.repeats is None else args.repeats
+    rows = verify_cost(engine, sizes, prefill, repeats)
     print(f"target: {engine.model_path}")
     if engine.target.device.type == "cpu":
         from specdecode.layers import kernels
         print(f"CPU kernel: {kernels.describe()}")
-    print(format_verify_cost(rows, args.prefill))
+    print(format_verify_cost(rows, prefill))
     if args.output_json:
         import torch
         path = Path(args.output_json).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"target": str(engine.model_path), "prefill_tokens": args.prefill,
-                                    "repeats": args.repeats, "threads": torch.get_num_threads(), "rows": rows},
+        path.write_text(json.dumps({"target": str(engine.model_path), "prefill_tokens": prefill,
+                                    "repeats": repeats, "threads": torch.get_num_threads(), "rows": rows},
                                    indent=2))
         print(f"wrote {path}", file=sys.stderr)
     return 0

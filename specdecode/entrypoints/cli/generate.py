@@ -91,6 +91,10 @@ def _constraint(args):
 def run(args) -> int:
     if args.raw and args.chat:
         raise CLIError("--raw and --chat contradict each other; pass one")
+    if args.raw and args.system is not None:
+        raise CLIError("--system is a chat message, and --raw turns the chat template off; pass one")
+    if args.echo and args.chat:
+        raise CLIError("--echo prints a --raw prompt; with --chat the prompt is a conversation")
     prompt = _read_prompt(args)
     if not prompt.strip() and not args.chat:
         raise CLIError("the prompt is empty")
@@ -106,6 +110,10 @@ def run(args) -> int:
     if args.chat and not has_template:
         raise CLIError(f"--chat: {engine.model_path} has no chat template; drop --chat for plain completion")
     use_chat = has_template and not args.raw
+    if args.system is not None and not use_chat:
+        raise CLIError(f"--system is a chat message, and {engine.model_path} has no chat template")
+    if args.echo and use_chat:
+        raise CLIError("--echo prints the prompt of a plain completion: add --raw")
     if use_chat:
         from specdecode.tokenizer import apply_chat_template
         msgs = ([{"role": "system", "content": args.system}] if args.system else [])

@@ -825,7 +825,7 @@ def build_app(engine_kwargs: dict | None = None, served_model_name: str | list[s
     async def _unexpected(_: Request, exc: Exception):
         return error_response(_from_exception(exc))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with either
     async def health() -> Response:
         if not engine.is_running:
             return error_response(APIError(503, "The engine loop is not running.", code="engine_unavailable"))
