@@ -315,6 +315,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}.")
         if self.num_threads is not None and (not _is_int(self.num_threads) or self.num_threads < 1):
             raise ValueError(f"num_threads must be an integer >= 1, got {self.num_threads!r}.")
+        if not _is_int(self.seed) or not 0 <= self.seed < 2 ** 64:
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}.")
         if not _is_int(self.max_waiting_requests) or self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be an integer >= 1, got {self.max_waiting_requests!r}.")
         if not isinstance(self.enable_prefix_caching, bool):

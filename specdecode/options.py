@@ -276,7 +276,7 @@ OPTIONS: tuple[Option, ...] = (
            bench=False),
     Option("max_waiting_requests", "waiting-queue limit; beyond it requests are refused (HTTP 503)",
            parse=_int_in(1), default="256", flags=("--max-waiting-requests",), metavar="N", bench=False),
-    Option("seed", "random seed", parse=int, default="0", kwargs=("random_seed",),
+    Option("seed", "random seed", parse=_int_in(0, 2 ** 64 - 1), default="0", kwargs=("random_seed",),
            flags=("--seed", "-s", "--random-seed"), metavar="N"),
     Option("device", "cpu, cuda or cuda:N", default="auto: cuda when available", flags=("--device",),
            bench=False),

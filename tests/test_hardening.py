@@ -244,6 +244,13 @@ def test_no_content_type_is_json_and_slow_body_times_out(url):
     r = httpx.post(f"{url}/v1/completions", content=json.dumps(REFERENCE).encode(),
                    headers={"content-type": "application/x-www-form-urlencoded"})  # what curl -d sends
     assert r.status_code == 200, r.text
+    # a body that says it is something else is refused by its type, not misread as "not a dictionary"
+    err = _err(httpx.post(f"{url}/v1/completions", content=json.dumps(REFERENCE).encode(),
+                          headers={"content-type": "application/xml"}), 415, "unsupported_media_type")
+    assert "application/xml" in err["message"]
+    # a body FastAPI cannot decode at all (not UTF-8) is the same 400 code as malformed JSON
+    _err(httpx.post(f"{url}/v1/completions", content=b'{"prompt": "\xff\xfe"}',
+                    headers={"content-type": "application/json"}), 400, "invalid_json")
 
     def slow():
         yield b'{"model": "tiny-llama", '

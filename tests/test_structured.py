@@ -686,6 +686,9 @@ def test_server_vllm_fields_and_errors(servers):
            ({"guided_grammar": 'root ::= "a" | ('}, "grammar"),
            ({"guided_choice": ["a"], "guided_regex": "b"}, "one output constraint"),
            ({"response_format": {"type": "json_schema"}}, "json_schema"),
+           ({"response_format": {"type": "text", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+            "would be ignored"),
+           ({"guided_regex": "[^\\s\\S]"}, "no text satisfies it"),
            ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend")]
     for extra, needle in bad:
         resp = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 4, **extra},

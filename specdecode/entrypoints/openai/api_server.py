@@ -698,9 +698,14 @@ class _Gate:
             return await receive()  # after the body: disconnect notices
 
         ctype = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
-        if path.startswith(("/v1", "/tokenize", "/detokenize")) and ctype in _JSON_LIKE:
-            scope = dict(scope, headers=[(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"]
-                         + [(b"content-type", b"application/json")])
+        if path.startswith(("/v1", "/tokenize", "/detokenize")):
+            if ctype in _JSON_LIKE:
+                scope = dict(scope, headers=[(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"]
+                             + [(b"content-type", b"application/json")])
+            elif ctype != b"application/json" and not ctype.endswith(b"+json"):
+                return await self._reject(send, APIError(
+                    415, f"The request body is sent as {ctype.decode('latin-1')!r}; send it as application/json.",
+                    code="unsupported_media_type"))
         await self.app(scope, replay, send)
 
 
@@ -818,7 +823,8 @@ def build_app(engine_kwargs: dict | None = None, served_model_name: str | list[s
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        # FastAPI raises a 400 itself only for a body it could not decode (bad UTF-8, a number too long to read)
+        code = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return error_response(APIError(exc.status_code, str(exc.detail), code=code))
 
     @app.exception_handler(Exception)

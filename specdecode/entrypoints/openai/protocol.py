@@ -83,6 +83,13 @@ class ResponseFormat(_Request):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
+    @model_validator(mode="after")
+    def _schema_only_with_its_type(self) -> "ResponseFormat":
+        if self.json_schema is not None and self.type != "json_schema":
+            raise ValueError(f"response_format.json_schema is read only with type 'json_schema', got type "
+                             f"{self.type!r}; the schema would be ignored.")
+        return self
+
 
 class StructuredOutputsRequest(_Request):
     """vLLM's ``structured_outputs`` request field: the fields of StructuredOutputsParams."""
