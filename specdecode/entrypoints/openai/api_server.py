@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+"""OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, vLLM's /tokenize and
+/detokenize, /health, /metrics.
 
 One AsyncLLMEngine (one engine thread doing continuous batching) serves every request. Run it with
 ``specdecode serve [MODEL] ...`` or its older vLLM spelling ``python -m specdecode.entrypoints.openai.api_server
@@ -620,6 +621,7 @@ class OpenAIServer:
 # ====================================================================== app
 _DRAIN_FACTOR, _DRAIN_BYTES = 4, 64 * 1024 * 1024  # how much of an oversized body is read only to be dropped
 _JSON_LIKE = (b"", b"application/x-www-form-urlencoded", b"text/plain")
+_API_PATHS = ("/v1", "/tokenize", "/detokenize")  # JSON bodies, behind the API key
 
 
 class _Gate:
@@ -639,8 +641,7 @@ class _Gate:
         self.on_reject = on_reject
         self.max_body = max_body_bytes
         self.body_timeout = body_timeout
-        self.protected = ("/v1", "/tokenize", "/detokenize", "/openapi.json") + (
-            ("/metrics",) if metrics_require_key else ())
+        self.protected = _API_PATHS + ("/openapi.json",) + (("/metrics",) if metrics_require_key else ())
 
     async def _reject(self, send, err: APIError) -> None:
         self.on_reject(err.status)
@@ -698,7 +699,7 @@ class _Gate:
             return await receive()  # after the body: disconnect notices
 
         ctype = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
-        if path.startswith(("/v1", "/tokenize", "/detokenize")):
+        if path.startswith(_API_PATHS):
             if ctype in _JSON_LIKE:
                 scope = dict(scope, headers=[(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"]
                              + [(b"content-type", b"application/json")])
