@@ -197,7 +197,7 @@ def test_chat_ctrl_c_aborts_only_the_reply(tiny_models):
     assert "interrupted" in err and "Traceback" not in err
 
 
-def test_closed_standard_streams_and_a_bad_device_give_no_traceback(tiny_models):
+def test_closed_standard_streams_and_a_bad_device_give_no_traceback(tiny_models, capsys):
     """Started with stdin or stdout closed (`<&-`, `>&-`): stdin reads as empty and output goes nowhere, as with
     /dev/null. An unknown --device is a one-line error before anything loads."""
     import shlex
@@ -206,10 +206,15 @@ def test_closed_standard_streams_and_a_bad_device_give_no_traceback(tiny_models)
     model = shlex.quote(str(tiny_models["llama"]))
     for cmd, code, needle in ((f"{base} generate -m {model} -f - <&-", 2, "error: the prompt is empty"),
                               (f"{base} chat -m {model} --spec-type none <&-", 0, "Commands:"),
-                              (f"{base} generate -m {model} -p hi -n 2 --spec-type none >&-", 0, "load time"),
-                              (f"{base} generate -m {model} -p hi --device bogus", 2, "error: device must be")):
+                              (f"{base} generate -m {model} -p hi -n 2 --spec-type none >&-", 0, "load time")):
         p = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=300, cwd=ROOT, env=_env())
         assert p.returncode == code and needle in p.stderr and "Traceback" not in p.stderr, (cmd, p.stderr)
+    from specdecode.entrypoints.cli import main
+
+    for device, needle in (("bogus", "device must be"), ("meta", "holds no data")):
+        assert main(["generate", "-m", str(tiny_models["llama"]), "-p", "hi", "--device", device]) == 2
+        err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+        assert len(err) == 1 and needle in err[0], err
 
 
 def test_generate_refuses_flags_it_would_ignore(tiny_models, capsys):

@@ -832,11 +832,13 @@ def build_app(engine_kwargs: dict | None = None, served_model_name: str | list[s
     async def _unexpected(_: Request, exc: Exception):
         return error_response(_from_exception(exc))
 
-    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with either
+    @app.get("/health")
     async def health() -> Response:
         if not engine.is_running:
             return error_response(APIError(503, "The engine loop is not running.", code="engine_unavailable"))
         return Response(status_code=200)
+
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)  # load balancers probe with it
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
