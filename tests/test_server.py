@@ -737,3 +737,14 @@ def test_prompts_times_n_beyond_the_waiting_limit_is_a_400_not_retry_later(url):
     assert err["param"] == "prompt" and "80 sequences" in err["message"], err
     ok = httpx.post(f"{url}/v1/completions", json=dict(body, prompt=[[1, 2]] * 4), timeout=120)
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 64
+
+
+def test_token_id_prompts_take_integers_only(url):
+    """A prompt of ids is integers, strictly: true/false and 1.5 are 400s naming the prompt (true was read as
+    id 1), and a list of digit strings is a list of text prompts."""
+    for prompt in ([True, False], [1.5, 2], [[1, True]]):
+        err = _err(httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}),
+                   400)
+        assert err["param"].startswith("prompt"), err
+    ok = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": ["1", "2"], "max_tokens": 1}).json()
+    assert len(ok["choices"]) == 2 and ok["usage"]["prompt_tokens"] == 2

@@ -7,11 +7,12 @@ finite (no NaN or Infinity) and text must be valid Unicode (no lone surrogates).
 """
 from __future__ import annotations
 
+import array
 import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from specdecode.sampling_params import SamplingParams, check_text
 from specdecode.structured import StructuredOutputsParams
@@ -25,6 +26,11 @@ def _check_strings(value: Any, path: str) -> None:
             _check_strings(k, path or "a field name")
             _check_strings(v, f"{path}.{k}" if path else str(k))
     elif isinstance(value, list):
+        try:
+            array.array("q", value)  # a C loop: a list of integers (a prompt's ids, millions of them) holds no text
+            return
+        except (TypeError, OverflowError):
+            pass
         for i, v in enumerate(value):
             _check_strings(v, f"{path}[{i}]")
 
@@ -216,7 +222,9 @@ class _SamplingRequest(_Request):
 
 # ---------------------------------------------------------------- /v1/completions
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # Tried in this order, ids strictly: a list of ids is validated in one pass (smart unions tried every member:
+    # 1.7 s for 4M ids, on the event loop), and neither "1" nor true is read as a token id.
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]] = Field(union_mode="left_to_right")
     max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
