@@ -739,7 +739,7 @@ def test_prompts_times_n_beyond_the_waiting_limit_is_a_400_not_retry_later(url):
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 64
 
 
-def test_token_id_prompts_take_integers_only(url):
+def test_token_id_prompts_take_integers_only_and_stop_strings_are_bounded(url):
     """A prompt of ids is integers, strictly: true/false and 1.5 are 400s naming the prompt (true was read as
     id 1), and a list of digit strings is a list of text prompts."""
     for prompt in ([True, False], [1.5, 2], [[1, True]]):
@@ -748,3 +748,8 @@ def test_token_id_prompts_take_integers_only(url):
         assert err["param"].startswith("prompt"), err
     ok = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": ["1", "2"], "max_tokens": 1}).json()
     assert len(ok["choices"]) == 2 and ok["usage"]["prompt_tokens"] == 2
+
+    # every stop string is searched for after each step on the engine thread: a bounded number of them
+    err = _err(httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1,
+                                                          "stop": [f"s{i}" for i in range(257)]}), 400)
+    assert err["param"] == "stop" and "at most 256" in err["message"], err

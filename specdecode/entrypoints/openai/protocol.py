@@ -35,6 +35,9 @@ def _check_strings(value: Any, path: str) -> None:
             _check_strings(v, f"{path}[{i}]")
 
 
+MAX_STOP_STRINGS = 256  # per request (OpenAI takes 4)
+
+
 class ParamError(ValueError):
     """A value the server refuses (HTTP 400), with the request field it is about (OpenAI's ``param``), so the
     error names the field instead of a word guessed from the message."""
@@ -126,6 +129,14 @@ class _SamplingRequest(_Request):
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None  # OpenAI: token id (a string key) -> bias in [-100, 100]
     min_tokens: int = Field(0, ge=0)  # vLLM: EOS, stop_token_ids and stop strings count only after this many
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        # Each stop string is searched for after every step, on the engine thread that runs every stream.
+        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop holds {len(stop)} strings; this server takes at most {MAX_STOP_STRINGS}.")
+        return stop
 
     @field_validator("logit_bias")
     @classmethod
