@@ -129,6 +129,16 @@ class _SamplingRequest(_Request):
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None  # OpenAI: token id (a string key) -> bias in [-100, 100]
     min_tokens: int = Field(0, ge=0)  # vLLM: EOS, stop_token_ids and stop strings count only after this many
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -146,16 +156,6 @@ class _SamplingRequest(_Request):
             if not (key.isascii() and key.isdigit() and len(key) <= 12):
                 raise ValueError(f"logit_bias keys must be token ids in decimal digits, got {key[:20]!r}.")
         return bias
-    user: str | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
-    response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputsRequest | None = None
-    guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
 
     def _constraint_fields(self) -> list[str]:
         """The request fields that ask for an output constraint."""
