@@ -80,10 +80,11 @@ def _number(kind, lo, hi=None, lo_open=False):
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {s!r}") \
                 from None
-        if v != v or v < lo or (lo_open and v == lo) or (hi is not None and v > hi):
+        if v != v or v < lo or (lo_open and v == lo) or (hi is not None and v > hi) or v == float("inf"):
             rng = (f"{lo}..{hi}" if kind is int else f"{'(' if lo_open else '['}{lo}, {hi}]") if hi is not None \
                 else (f"> {lo}" if lo_open else f">= {lo}")
-            what = "an integer " if kind is int else "in " if hi is not None else ""  # "in [0, 1]", ">= 0.0"
+            what = ("an integer " if kind is int else "in " if hi is not None  # "in [0, 1]"
+                    else "finite and " if v == float("inf") else "")
             raise argparse.ArgumentTypeError(f"must be {what}{rng}, got {s}")
         return v
     return parse

@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 from specdecode import options
+from specdecode.entrypoints.cli._shared import float_in, int_at_least
 
 
 DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
@@ -29,26 +30,8 @@ def port_number(text: str) -> int:
     return port
 
 
-def _number(kind: type, low: float, low_ok: bool):
-    """An argparse type: a finite ``kind`` above ``low`` (or equal to it, with ``low_ok``), checked while the
-    flags are parsed, so a server never starts with limits that refuse every request."""
-    bound = f">= {low:g}" if low_ok else f"> {low:g}"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
-                                             f"got {text!r}") from None
-        if not (value >= low if low_ok else value > low) or value != value or value in (float("inf"), -float("inf")):
-            raise argparse.ArgumentTypeError(f"must be {'finite and ' if kind is float else ''}{bound}, got {text}")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in its messages
-    return parse
-
-
-_POSITIVE_INT, _POSITIVE_SECONDS, _SECONDS = _number(int, 0, False), _number(float, 0, False), _number(float, 0, True)
+# Checked while the flags are parsed, so a server never starts with limits that refuse every request.
+_POSITIVE_INT, _POSITIVE_SECONDS, _SECONDS = int_at_least(1), float_in(0.0, lo_open=True), float_in(0.0)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
