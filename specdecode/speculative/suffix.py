@@ -185,15 +185,13 @@ class SuffixProposer(Proposer):
         """Up to k draft tokens after ``tokens`` (the request's context, possibly extended by drafts). A lookup
         from the request's own context (not one extended by drafts) is kept, with each token's evidence, for
         found_rates and score_found. The request's predicted output, where it has one, comes first."""
-        draft = predicted(request, tokens, k)
-        if draft:
-            if len(tokens) == len(request.all_token_ids) + prefix_length(request):
-                request.suffix_found = None  # no evidence to score: the index did not draft this step
-            return draft
-        draft, evidence = self._lookup(request, tokens, k)
+        draft, found = predicted(request, tokens, k), None  # a prediction's drafts carry no evidence to score
+        if not draft:
+            draft, evidence = self._lookup(request, tokens, k)
+            found = (draft, evidence)
         # the step's context itself (committed tokens and the engine's prefix), not one extended by drafts
         if len(tokens) == len(request.all_token_ids) + prefix_length(request):
-            request.suffix_found = (draft, evidence)
+            request.suffix_found = found
         return draft
 
     def found_rates(self, request, found: list[int]) -> list[float] | None:
