@@ -49,6 +49,8 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, prompt_token_ids: list[list[int]] | None = None) -> list[RequestOutput]:
+        """Completions of text prompts, token id lists or dicts (``{"prompt": ...}`` or ``{"prompt_token_ids":
+        ...}``, as vLLM takes them; add ``"suffix"`` to have a code model fill in the middle between the two)."""
         items = self._normalise(prompts, prompt_token_ids)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(items)
@@ -57,8 +59,8 @@ class LLM:
             if len(params) != len(items):
                 raise ValueError(f"Got {len(items)} prompts but {len(params)} SamplingParams; pass one, or one per prompt.")
         # Encode everything first so a bad prompt fails before any work is queued.
-        encoded = [self.engine.encode_prompt(text, ids) for text, ids in items]
-        return self._run([(t, e, p) for (t, _), e, p in zip(items, encoded, params)], use_tqdm)
+        encoded = [self.engine.encode_prompt(text, ids, suffix) for text, ids, suffix in items]
+        return self._run([(t, e, p) for (t, _, _), e, p in zip(items, encoded, params)], use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
@@ -66,10 +68,14 @@ class LLM:
         prompts = [apply_chat_template(self.engine.tokenizer, c, add_generation_prompt) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    @staticmethod
-    def _normalise(prompts, prompt_token_ids) -> list[tuple[str | None, list[int] | None]]:
+    _PROMPT_KEYS = ("prompt", "prompt_token_ids", "suffix")
+
+    @classmethod
+    def _normalise(cls, prompts, prompt_token_ids) -> list[tuple[str | None, list[int] | None, str | None]]:
+        """(text, token ids, suffix) of each prompt. A dict prompt takes vLLM's ``prompt`` or ``prompt_token_ids``
+        and, to fill in the middle, a ``suffix`` (the prompt is then the text before the gap)."""
         if prompt_token_ids is not None:
-            return [(None, list(ids)) for ids in prompt_token_ids]
+            return [(None, list(ids), None) for ids in prompt_token_ids]
         if prompts is None:
             raise ValueError("generate() needs prompts: a string, a list of strings, or token id lists.")
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -77,11 +83,16 @@ class LLM:
         out = []
         for p in prompts:
             if isinstance(p, dict):
-                out.append((p.get("prompt"), p.get("prompt_token_ids")))
+                unknown = sorted(str(k) for k in p if k not in cls._PROMPT_KEYS)
+                if unknown:
+                    raise ValueError(f"Unsupported prompt key(s) {', '.join(map(repr, unknown))}; a prompt dict takes "
+                                     f"{', '.join(map(repr, cls._PROMPT_KEYS))}.")
+                ids = p.get("prompt_token_ids")
+                out.append((p.get("prompt"), None if ids is None else list(ids), p.get("suffix")))
             elif isinstance(p, str):
-                out.append((p, None))
+                out.append((p, None, None))
             elif isinstance(p, (list, tuple)):
-                out.append((None, list(p)))
+                out.append((None, list(p), None))
             else:
                 raise ValueError(f"Unsupported prompt type {type(p).__name__}; use str, list[int] or "
                                  "{'prompt_token_ids': [...]}.")

@@ -177,18 +177,20 @@ class AsyncLLMEngine:
 
     # ---- caller side (event loop) ----
     async def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
-                          prompt_token_ids: list[int] | None = None) -> RequestStream:
-        """Queues the request and waits until the engine accepted it.
+                          prompt_token_ids: list[int] | None = None, suffix: str | None = None) -> RequestStream:
+        """Queues the request and waits until the engine accepted it. ``suffix``: fill in the middle between
+        the prompt and it (``LLMEngine.encode_prompt``).
 
         Raises what ``LLMEngine.add_request`` raises (ValueError for a bad prompt, QueueFullError when the
         waiting queue is full) and EngineDeadError after shutdown."""
         loop = asyncio.get_running_loop()
         if self._stopping or self._dead is not None:
             raise EngineDeadError("The engine is shut down and accepts no new requests.")
-        if prompt_token_ids is None:
+        if prompt_token_ids is None or suffix:
             # Tokenizing (megabytes, at worst) happens in a worker thread, never on the engine thread, so one
             # large prompt cannot stall the running streams.
-            prompt_token_ids = await loop.run_in_executor(None, self.engine.encode_prompt, prompt, None)
+            prompt_token_ids = await loop.run_in_executor(None, self.engine.encode_prompt, prompt, prompt_token_ids,
+                                                          suffix)
         predicted = None
         if params.prediction:  # tokenized off the engine thread too
             predicted = await loop.run_in_executor(None, self.engine.encode_prediction, params.prediction)

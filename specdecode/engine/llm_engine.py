@@ -15,6 +15,7 @@ from specdecode.engine.kv_cache import KVCache
 from specdecode.engine.model_runner import ModelRunner
 from specdecode.engine.request import Request, Status
 from specdecode.engine.scheduler import QueueFullError, Scheduler
+from specdecode.fim import FimTokens, find_fim_tokens, fim_prompt_ids, known_spellings
 from specdecode.layers.sampler import logits_to_probs, logprobs_of, request_logits
 from specdecode.models import huge_pages
 from specdecode.models.loader import check_context, load_model
@@ -199,9 +200,30 @@ class LLMEngine:
         return cls(EngineConfig.from_kwargs(**kw))
 
     # ---- requests ----
-    def encode_prompt(self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None = None) -> list[int]:
+    @functools.cached_property
+    def fim_tokens(self) -> FimTokens | None:
+        """The target's fill-in-the-middle tokens (specdecode.fim), None if its vocabulary has none."""
+        return find_fim_tokens(self.tokenizer)
+
+    def encode_prompt(self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None = None,
+                      suffix: str | None = None) -> list[int]:
+        """The token ids a prompt feeds the model. With a ``suffix``, the prompt (text or ids) is the prefix of a
+        fill-in-the-middle prompt: the model writes what goes between the two. An empty suffix is none (OpenAI's
+        completions API reads it so)."""
         if prompt_token_ids is None and isinstance(prompt, list):
             prompt_token_ids, prompt = prompt, None
+        if suffix is not None and not isinstance(suffix, str):
+            raise ValueError(f"suffix must be a string, got {type(suffix).__name__}.")
+        fim = None
+        if suffix:
+            fim = self.fim_tokens
+            if fim is None:
+                raise ValueError("suffix asks to fill in the middle, which needs a code model trained for it: this "
+                                 f"model's vocabulary has none of the known tokens for it ({known_spellings()}).")
+            check_text(suffix, "suffix")
+            if self._cannot_fit(suffix):
+                raise ValueError(f"suffix has {len(suffix)} characters, more than {self.max_model_len} tokens "
+                                 f"(max_model_len) can hold; shorten it or raise max_model_len.")
         if prompt_token_ids is not None:
             ids = self._checked_ids(prompt_token_ids, "prompt token ids")
         else:
@@ -211,7 +233,10 @@ class LLMEngine:
             if self._cannot_fit(prompt):
                 raise ValueError(f"The prompt has {len(prompt)} characters, more than {self.max_model_len} tokens "
                                  f"(max_model_len) can hold; shorten the prompt or raise max_model_len.")
-            ids = encode_text(self.tokenizer, prompt)
+            ids = encode_text(self.tokenizer, prompt) if fim is None else self.tokenizer.encode(
+                prompt, add_special_tokens=False)
+        if fim is not None:
+            ids = fim_prompt_ids(self.tokenizer, fim, ids, suffix)
         if not ids:
             bos = getattr(self.tokenizer, "bos_token_id", None)
             if bos is None:

@@ -22,6 +22,7 @@ def add_parser(sub) -> None:
                               "  specdecode generate --raw -p 'def fib(n):' -n 64\n"
                               "  specdecode generate -m target.gguf -md draft.gguf -p '...' -n 256\n"
                               "  specdecode generate -m model_dir --spec-type ngram -f prompt.txt --json\n"
+                              "  specdecode generate -f before.py --suffix-file after.py --echo\n"
                               "  specdecode generate -p 'Extract the person as JSON: ...' --json-schema person.json")
     gi = g.add_argument_group("input and output")
     gi.add_argument("-p", "--prompt", default=None, help=f"the prompt (default: {DEFAULT_PROMPT!r})")
@@ -31,9 +32,16 @@ def add_parser(sub) -> None:
     gi.add_argument("--chat", action="store_true",
                     help="require the chat template (the default when the model has one): an error if it has none")
     gi.add_argument("--system", default=None, metavar="TEXT", help="system message (chat template only)")
-    gi.add_argument("--echo", action="store_true", help="print the prompt before the generated text (--raw)")
+    gi.add_argument("--echo", action="store_true",
+                    help="print the prompt before the generated text (--raw; with --suffix, the suffix after it)")
     gi.add_argument("--json", action="store_true",
                     help="print one JSON object (text, token ids, stats) to stdout instead of streaming")
+    gs = gi.add_mutually_exclusive_group()
+    gs.add_argument("--suffix", metavar="TEXT", default=None,
+                    help="fill in the middle: the prompt is the text before the gap and TEXT the text after it "
+                         "(code models trained for it, as the default Qwen2.5-Coder; no chat template; an empty "
+                         "TEXT: plain completion)")
+    gs.add_argument("--suffix-file", metavar="FILE", default=None, help="--suffix read from a file")
     gi.add_argument("--prediction", metavar="FILE", default=None,
                     help="text the answer will mostly repeat, e.g. a file to edit (OpenAI's predicted outputs): "
                          "lookups draft from it first; the answer stays the model's own")
@@ -88,7 +96,19 @@ def _constraint(args):
         raise CLIError(f"{flag} {path}: {e}") from None
 
 
+def _read_suffix(args) -> str | None:
+    if args.suffix_file is not None:  # the rest of a file, its last newline included
+        return _read_text(args.suffix_file, f"cannot read suffix file {args.suffix_file}")
+    return args.suffix
+
+
 def run(args) -> int:
+    suffix = _read_suffix(args)
+    fim = "--suffix-file" if args.suffix_file is not None else "--suffix" if suffix is not None else None
+    if fim and (args.chat or args.system is not None):
+        raise CLIError(f"{fim} fills in the middle of plain text, without the chat template: drop "
+                       f"{'--chat' if args.chat else '--system'}")
+    args.raw = args.raw or fim is not None
     if args.raw and args.chat:
         raise CLIError("--raw and --chat contradict each other; pass one")
     if args.raw and args.system is not None:
@@ -96,7 +116,7 @@ def run(args) -> int:
     if args.echo and args.chat:
         raise CLIError("--echo prints a --raw prompt; with --chat the prompt is a conversation")
     prompt = _read_prompt(args)
-    if not prompt.strip() and not args.chat:
+    if not prompt.strip() and not args.chat and not (suffix or "").strip():
         raise CLIError("the prompt is empty")
     params = sampling_params(args)  # validates before the slow model load
     if args.prediction is not None:
@@ -120,7 +140,12 @@ def run(args) -> int:
         text = apply_chat_template(engine.tokenizer, msgs + [{"role": "user", "content": prompt}])
     else:
         text = prompt
-    ids = engine.encode_prompt(text)
+    try:
+        ids = engine.encode_prompt(text, suffix=suffix)
+    except ValueError as e:
+        if fim and str(e).startswith("suffix"):
+            raise CLIError(f"{fim}: {e}") from None
+        raise
     if params.structured_outputs is not None:
         try:
             engine.grammar_compiler.compile(params.structured_outputs)
@@ -134,13 +159,16 @@ def run(args) -> int:
         if args.echo and not use_chat:
             sys.stdout.write(prompt)
         result = stream(engine, "generate", ids, params, sys.stdout)
+        if args.echo and suffix is not None:
+            sys.stdout.write(suffix)
         sys.stdout.write("\n")
         sys.stdout.flush()
     s = stats(engine, result)
     error = result["output"].error  # the request failed in the engine (logged there); what it produced is shown
     if args.json:
         c = result["output"].outputs[0]
-        print(json.dumps({"prompt": prompt, "chat_template": use_chat, "text": c.text, "token_ids": list(c.token_ids),
+        fields = {"prompt": prompt} | ({"suffix": suffix} if suffix is not None else {})
+        print(json.dumps({**fields, "chat_template": use_chat, "text": c.text, "token_ids": list(c.token_ids),
                           "prompt_token_ids": list(result["output"].prompt_token_ids),
                           "finish_reason": c.finish_reason, "error": error, "stats": s}, ensure_ascii=False))
     else:

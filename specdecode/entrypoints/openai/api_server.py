@@ -336,7 +336,7 @@ class OpenAIServer:
 
     # ---- running requests ----
     async def start(self, base_id: str, prompts: list[tuple[str | None, list[int] | None]],
-                    params: SamplingParams, prompt_param: str) -> list[RequestStream]:
+                    params: SamplingParams, prompt_param: str, suffix: str | None = None) -> list[RequestStream]:
         scheduler = getattr(getattr(self.engine, "engine", None), "scheduler", None)
         total = len(prompts) * params.n
         if len(prompts) > 1 and scheduler is not None and total > max(scheduler.max_waiting, 1):
@@ -349,7 +349,7 @@ class OpenAIServer:
         try:
             for i, (text, ids) in enumerate(prompts):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                streams.append(await self.engine.add_request(rid, text, params, prompt_token_ids=ids))
+                streams.append(await self.engine.add_request(rid, text, params, prompt_token_ids=ids, suffix=suffix))
         except BaseException as e:
             for s in streams:
                 s.close()
@@ -902,7 +902,8 @@ def build_app(engine_kwargs: dict | None = None, served_model_name: str | list[s
         await srv.compile_constraint(params, body.constraint_param())
         prompts = _normalise_prompts(body.prompt)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = await srv.start(rid, prompts, params, "prompt")  # checks the token ids before echo decodes them
+        # checks the token ids before echo decodes them
+        streams = await srv.start(rid, prompts, params, "prompt", suffix=body.suffix)
         echoes = [text if text is not None else srv.tokenizer.decode(ids) for text, ids in prompts] \
             if body.echo else [""] * len(prompts)
         if body.stream:

@@ -239,7 +239,7 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    suffix: str | None = None
+    suffix: str | None = None  # fill in the middle: the text after the gap (specdecode.fim); "" is none
     best_of: int | None = None
 
     @property
@@ -249,8 +249,9 @@ class CompletionRequest(_SamplingRequest):
         return self.echo and self.max_tokens == 0
 
     def to_sampling_params(self) -> SamplingParams:
-        if self.suffix:
-            raise ValueError("suffix is not supported.")
+        if self.suffix and self.echo:
+            raise ParamError("echo", "echo cannot be combined with suffix: a fill-in-the-middle answer is not a "
+                                     "continuation of the prompt.")
         if self.max_tokens == 0 and not self.echo:
             raise ParamError("max_tokens", "max_tokens must be at least 1 (0 only with echo, to score the prompt).")
         if self.best_of is not None and self.best_of != self.n:
