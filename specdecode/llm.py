@@ -63,9 +63,16 @@ class LLM:
         return self._run([(t, e, p) for (t, _, _), e, p in zip(items, encoded, params)], use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None
+             ) -> list[RequestOutput]:
+        """Answers to one conversation or a list of them, rendered by the model's chat template (vLLM's
+        keywords: ``tools`` and ``chat_template_kwargs`` go to the template; ``continue_final_message`` has the
+        model go on with the last message, with ``add_generation_prompt=False``)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [apply_chat_template(self.engine.tokenizer, c, add_generation_prompt) for c in convs]
+        prompts = [apply_chat_template(self.engine.tokenizer, c, add_generation_prompt, tools=tools,
+                                       continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+                   for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     _PROMPT_KEYS = ("prompt", "prompt_token_ids", "suffix")

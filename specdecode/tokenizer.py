@@ -215,16 +215,45 @@ def encode_text(tokenizer, text: str) -> list[int]:
 
 
 def apply_chat_template(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                        tools: list[dict[str, Any]] | None = None, **template_kwargs: Any) -> str:
+                        tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+                        **template_kwargs: Any) -> str:
     """The conversation as the model's template renders it. ``tools`` (OpenAI function definitions) and
-    ``template_kwargs`` (e.g. Qwen3's ``enable_thinking``) go to the template, which decides how to show them."""
+    ``template_kwargs`` (e.g. Qwen3's ``enable_thinking``) go to the template, which decides how to show them.
+    ``continue_final_message``: the text ends with the last message's content, open, so the model goes on
+    writing it (a reply's first words given by the caller); as in vLLM, add_generation_prompt must then be off."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("This model's tokenizer has no chat template; use generate() with a plain prompt "
                          "instead of chat().")
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts.")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message continues the last message and add_generation_prompt starts a "
+                         "new one: set add_generation_prompt to false.")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                          tools=tools or None, **template_kwargs)
+    return _open_final_message(text, messages[-1]) if continue_final_message and messages else text
+
+
+def _open_final_message(text: str, final: dict[str, Any]) -> str:
+    """``text`` cut right after the last message's content, whatever the template writes after it (the end of
+    its turn). The content's trailing whitespace stays where the template kept it."""
+    content = final.get("content")
+    if isinstance(content, list):  # text parts
+        content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+    body = content.strip() if isinstance(content, str) else ""
+    if not body:
+        raise ValueError("continue_final_message needs a last message with text to continue.")
+    at = text.rfind(body)
+    if at < 0:
+        raise ValueError("continue_final_message: this chat template does not write the last message's text as "
+                         "given, so the text cannot be continued.")
+    end = at + len(body)
+    for ch in content[len(content.rstrip()):]:
+        if end < len(text) and text[end] == ch:
+            end += 1
+        else:
+            break
+    return text[:end]
 
 
 class IncrementalDetokenizer:

@@ -154,3 +154,18 @@ def test_generate_suffix_file_prints_prefix_middle_suffix(pair, tmp_path):
     p = run_cli("generate", "-f", before, "--suffix-file", after, "-n", 96, "--echo", "-c", 1024)
     assert p.returncode == 0, p.stderr
     assert p.stdout == pre + want.outputs[0].text + suf + "\n"
+
+
+def test_llm_chat_passes_tools_and_template_keywords(pair):
+    """LLM.chat takes vLLM's tools and continue_final_message (the same engine as above)."""
+    llm = pair[0]
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    out = llm.chat(msgs, params, use_tqdm=False, tools=tools)[0]
+    assert '"get_weather"' in out.prompt and "get_weather" not in llm.chat(msgs, params, use_tqdm=False)[0].prompt
+    code = msgs + [{"role": "assistant", "content": "```python\n"}]
+    out = llm.chat(code, params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt.endswith("<|im_start|>assistant\n```python\n")

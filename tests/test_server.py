@@ -141,6 +141,24 @@ def test_chat_greedy_matches_offline(client, offline):
     assert r.usage.completion_tokens == 5
 
 
+def test_continue_final_message_goes_on_from_the_last_message(url, client, offline):
+    """vLLM's continue_final_message: the prompt ends inside the last message, so the answer continues it. The
+    server, LLM.chat and /tokenize agree on the prompt; with add_generation_prompt left on it is a 400."""
+    messages = [{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": "Once upon"}]
+    want = offline.chat(messages, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False,
+                        add_generation_prompt=False, continue_final_message=True)[0]
+    assert want.prompt.endswith("<|assistant|>Once upon")
+    extra = {"add_generation_prompt": False, "continue_final_message": True}
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0, extra_body=extra)
+    assert r.choices[0].message.content == want.outputs[0].text
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+    tok = httpx.post(f"{url}/tokenize", json={"messages": messages, **extra}).json()
+    assert tok["tokens"] == list(want.prompt_token_ids)
+    for body in ({"continue_final_message": True}, {"chat_template_kwargs": {"continue_final_message": True}}):
+        err = _err(httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": messages, **body}), 400)
+        assert "continue_final_message" in err["param"], err
+
+
 def test_streaming_equals_plain(client):
     for prompt in PROMPTS[:2]:
         plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0)

@@ -12,7 +12,7 @@ import pytest
 from specdecode.chat_template import render
 from specdecode.models.default_models import default_model_path
 from specdecode.models.gguf_loader import load_gguf_tokenizer
-from specdecode.tokenizer import SavedTokenizer, hf_tokenizer
+from specdecode.tokenizer import SavedTokenizer, apply_chat_template, hf_tokenizer
 
 TEXTS = [
     "", " ", "hello world", "Hello,  World!\n\n", "def f(x):\n\treturn x ** 2  # square\n",
@@ -234,3 +234,20 @@ def test_a_chat_prompt_that_writes_its_bos_gets_one_bos(tiny_models, tmp_path):
     assert chat.prompt_token_ids == tok.encode(text)[1:]
     (plain,) = llm.generate(["hi"], params)
     assert plain.prompt_token_ids == tok.encode("hi")
+
+
+def test_continue_final_message_matches_transformers(pair):
+    """The prompt ends inside the last message, as transformers cuts it, without transformers doing the render;
+    its trailing whitespace stays (a reply that starts a code block goes on after the newline)."""
+    tok, hf = pair
+    for final in ("```python\n", "Sure, here", "  The answer is", "x\n\n"):
+        msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": final}]
+        ours = apply_chat_template(tok, msgs, False, continue_final_message=True)
+        assert ours == hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False,
+                                              continue_final_message=True)
+        assert ours.endswith(final) and ours.startswith(apply_chat_template(tok, msgs[:1], False))
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        apply_chat_template(tok, msgs, True, continue_final_message=True)
+    with pytest.raises(ValueError, match="text to continue"):
+        apply_chat_template(tok, msgs[:1] + [{"role": "assistant", "content": " "}], False,
+                            continue_final_message=True)

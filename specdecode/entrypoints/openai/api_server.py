@@ -279,7 +279,8 @@ class _ClientGone(Exception):
 # documents). These keys are not variables: they would replace what the request's own fields say, run a template
 # the client wrote (a Jinja template can take the server's memory and time), or ask for tokenizer outputs.
 _TEMPLATE_KWARGS_REFUSED = {
-    **{k: "use the request's own field." for k in ("messages", "conversation", "tools", "add_generation_prompt")},
+    **{k: "use the request's own field." for k in ("messages", "conversation", "tools", "add_generation_prompt",
+                                                   "continue_final_message")},
     "chat_template": "the server renders the model's own chat template; a request cannot bring its own.",
     **{k: "the server tokenizes the rendered prompt itself." for k in (
         "tokenize", "return_dict", "return_tensors", "return_assistant_tokens_mask", "padding", "truncation",
@@ -533,8 +534,12 @@ class OpenAIServer:
                 why = _TEMPLATE_KWARGS_REFUSED.get(key)
                 if why is not None:
                     raise ParamError(f"chat_template_kwargs.{key}", f"chat_template_kwargs may not set {key!r}: {why}")
+            if body.continue_final_message and body.add_generation_prompt:
+                raise ParamError("continue_final_message", "continue_final_message continues the last message and "
+                                 "add_generation_prompt (true by default) starts a new one: set add_generation_prompt "
+                                 "to false.")
             return apply_chat_template(self.tokenizer, messages, body.add_generation_prompt, tools=body.tool_dicts(),
-                                       **kwargs)
+                                       continue_final_message=body.continue_final_message, **kwargs)
         except ValueError as e:
             raise APIError(400, str(e), param=getattr(e, "param", "messages"), code="invalid_value") from None
         except Exception as e:  # jinja errors from a template that rejects the conversation

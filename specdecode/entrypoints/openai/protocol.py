@@ -384,6 +384,7 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the reply goes on from the last message (vLLM's)
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -600,6 +601,7 @@ class TokenizeChatRequest(_Request):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     add_special_tokens: bool = True  # true: the ids a chat request with these messages feeds the model
     return_token_strs: bool = False
     tools: list[ChatTool] | None = None
@@ -608,7 +610,8 @@ class TokenizeChatRequest(_Request):
     def as_chat_request(self) -> ChatCompletionRequest:
         """The chat request whose prompt this is (the template sees the same messages and tools)."""
         return ChatCompletionRequest(messages=self.messages, add_generation_prompt=self.add_generation_prompt,
-                                     tools=self.tools, chat_template_kwargs=self.chat_template_kwargs)
+                                     continue_final_message=self.continue_final_message, tools=self.tools,
+                                     chat_template_kwargs=self.chat_template_kwargs)
 
 
 class TokenizeResponse(_Response):
