@@ -338,7 +338,10 @@ MALFORMED = [
     _json(C, {"prompt": "x", "frobnicate": True}),
     _json(C, {"prompt": "x", "logit_bias": {"1": 500}}),  # logit_bias is implemented: its bad values are refused
     _json(C, {"prompt": "x", "logit_bias": {"99999999": 5}}),
-    _json(C, {"prompt": "x", "suffix": "y"}),
+    _json(C, {"prompt": "x", "suffix": "y"}),  # this model has no fill-in-the-middle tokens
+    _json(C, {"prompt": "x", "suffix": 5}),
+    _raw(C, '{"prompt": "x", "suffix": "a\\ud800"}', 400),
+    _json(C, {"prompt": "x", "suffix": "y", "echo": True}),
     _json(C, {"prompt": "x", "best_of": 3}),
     _json(C, {"prompt": "x", "echo": "maybe"}),
     # bodies
@@ -358,6 +361,10 @@ MALFORMED = [
     _raw(CH, '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}', 400),
     _json(CH, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
     _raw(CH, '{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400),
+    _json(CH, {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}),
+    _json(CH, {"messages": [{"role": "user", "content": " "}], "continue_final_message": True,
+               "add_generation_prompt": False}),
+    _json(CH, {"messages": [{"role": "user", "content": "x"}], "continue_final_message": "yes please"}),
     _json(CH, {"messages": MSG, "top_logprobs": 5}),
     _json(CH, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "not a name"}}]}),
     _json(CH, {"messages": MSG, "tool_choice": "auto"}),
