@@ -52,6 +52,8 @@ class SamplingParams:
     # The expected output, or most of it (OpenAI's Predicted Outputs): the lookup sources draft from it first.
     # Only where speculation drafts by lookup (the default, ngram, suffix); it never changes the output.
     prediction: str | None = None
+    # vLLM's: keep only the prompt's last k tokens (-1: as many as max_model_len leaves room for, with one to write)
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -111,6 +113,9 @@ class SamplingParams:
             bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}.")
+        t = self.truncate_prompt_tokens
+        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or (t < 1 and t != -1)):
+            bad(f"truncate_prompt_tokens must be -1 (to max_model_len) or an integer >= 1, got {t!r}.")
         if self.prediction is not None:
             if not isinstance(self.prediction, str):
                 bad(f"prediction must be a string (the expected output), got {type(self.prediction).__name__}.")

@@ -122,6 +122,8 @@ def test_server_suffix_streamed_or_not_gives_the_offline_middle(pair):
         assert r.choices[0].text == want.outputs[0].text
         bad = httpx.post(f"{url}/v1/completions", json={"prompt": pre, "suffix": suf, "echo": True})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "echo", bad.text
+        bad = httpx.post(f"{url}/v1/completions", json={"prompt": pre, "suffix": suf, "truncate_prompt_tokens": 5})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens", bad.text
         # an empty suffix is no suffix: a plain completion
         r = httpx.post(f"{url}/v1/completions", json={"prompt": pre, "suffix": "", "max_tokens": 4}, timeout=120)
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids)

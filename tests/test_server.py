@@ -159,6 +159,33 @@ def test_continue_final_message_goes_on_from_the_last_message(url, client, offli
         assert "continue_final_message" in err["param"], err
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(url, client, offline):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens, on the server and offline alike; -1 fits a prompt
+    longer than the context; bad values and combinations are 400s naming the field."""
+    long_ids = list(offline.generate(["The quick brown fox jumps over the lazy dog. " * 20],
+                                     SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_token_ids)
+    assert len(long_ids) > 40
+    want = offline.generate([long_ids[-8:]], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0]
+    got = offline.generate([long_ids], SamplingParams(temperature=0, max_tokens=10, truncate_prompt_tokens=8),
+                           use_tqdm=False)[0]
+    assert list(got.prompt_token_ids) == long_ids[-8:] and got.outputs[0].token_ids == want.outputs[0].token_ids
+    r = client.completions.create(model=MODEL, prompt=long_ids, max_tokens=10, temperature=0,
+                                  extra_body={"truncate_prompt_tokens": 8})
+    assert r.choices[0].text == want.outputs[0].text and r.usage.prompt_tokens == 8
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi " * 40}], max_tokens=2,
+                                       extra_body={"truncate_prompt_tokens": 6})
+    assert r.usage.prompt_tokens == 6
+    too_long = long_ids * (MAX_LEN // len(long_ids) + 1)
+    r = client.completions.create(model=MODEL, prompt=too_long, max_tokens=4, extra_body={"truncate_prompt_tokens": -1})
+    assert r.usage.prompt_tokens == MAX_LEN - 1 and r.usage.completion_tokens == 1
+    for extra, param in (({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+                         ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+                         ({"truncate_prompt_tokens": MAX_LEN}, "truncate_prompt_tokens"),
+                         ({"truncate_prompt_tokens": 4, "echo": True}, "echo")):
+        err = _err(httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", **extra}), 400)
+        assert err["param"] == param, (extra, err)
+
+
 def test_streaming_equals_plain(client):
     for prompt in PROMPTS[:2]:
         plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0)

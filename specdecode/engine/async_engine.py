@@ -186,11 +186,12 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         if self._stopping or self._dead is not None:
             raise EngineDeadError("The engine is shut down and accepts no new requests.")
-        if prompt_token_ids is None or suffix:
+        truncate = params.truncate_prompt_tokens
+        if prompt_token_ids is None or suffix or truncate is not None:
             # Tokenizing (megabytes, at worst) happens in a worker thread, never on the engine thread, so one
             # large prompt cannot stall the running streams.
             prompt_token_ids = await loop.run_in_executor(None, self.engine.encode_prompt, prompt, prompt_token_ids,
-                                                          suffix)
+                                                          suffix, truncate)
         predicted = None
         if params.prediction:  # tokenized off the engine thread too
             predicted = await loop.run_in_executor(None, self.engine.encode_prediction, params.prediction)

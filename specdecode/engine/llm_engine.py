@@ -206,14 +206,22 @@ class LLMEngine:
         return find_fim_tokens(self.tokenizer)
 
     def encode_prompt(self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None = None,
-                      suffix: str | None = None) -> list[int]:
+                      suffix: str | None = None, truncate: int | None = None) -> list[int]:
         """The token ids a prompt feeds the model. With a ``suffix``, the prompt (text or ids) is the prefix of a
         fill-in-the-middle prompt: the model writes what goes between the two. An empty suffix is none (OpenAI's
-        completions API reads it so)."""
+        completions API reads it so). ``truncate`` (SamplingParams.truncate_prompt_tokens): keep the last
+        ``truncate`` ids; -1 keeps as many as leave room for one token to be written."""
         if prompt_token_ids is None and isinstance(prompt, list):
             prompt_token_ids, prompt = prompt, None
         if suffix is not None and not isinstance(suffix, str):
             raise ValueError(f"suffix must be a string, got {type(suffix).__name__}.")
+        if truncate is not None:
+            if suffix:
+                raise ValueError("truncate_prompt_tokens cannot be combined with suffix: cutting the start of a "
+                                 "fill-in-the-middle prompt would cut its prefix token.")
+            if truncate >= self.max_model_len:
+                raise ValueError(f"truncate_prompt_tokens ({truncate}) must be below the context length "
+                                 f"({self.max_model_len} tokens), or -1.")
         fim = None
         if suffix:
             fim = self.fim_tokens
@@ -230,13 +238,15 @@ class LLMEngine:
             if not isinstance(prompt, str):
                 raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}.")
             check_text(prompt, "prompt")
-            if self._cannot_fit(prompt):
+            if truncate is None and self._cannot_fit(prompt):
                 raise ValueError(f"The prompt has {len(prompt)} characters, more than {self.max_model_len} tokens "
                                  f"(max_model_len) can hold; shorten the prompt or raise max_model_len.")
             ids = encode_text(self.tokenizer, prompt) if fim is None else self.tokenizer.encode(
                 prompt, add_special_tokens=False)
         if fim is not None:
             ids = fim_prompt_ids(self.tokenizer, fim, ids, suffix)
+        if truncate is not None:
+            ids = ids[-(self.max_model_len - 1 if truncate == -1 else truncate):]
         if not ids:
             bos = getattr(self.tokenizer, "bos_token_id", None)
             if bos is None:
@@ -257,7 +267,7 @@ class LLMEngine:
         if params.logit_bias and max(params.logit_bias) >= self.target.vocab_size:
             raise ValueError(f"logit_bias names token id {max(params.logit_bias)}, outside the vocabulary "
                              f"(ids 0..{self.target.vocab_size - 1}).")
-        ids = self.encode_prompt(prompt, prompt_token_ids)
+        ids = self.encode_prompt(prompt, prompt_token_ids, truncate=params.truncate_prompt_tokens)
         predicted = (self.encode_prediction(params.prediction) if prediction_token_ids is None
                      else self._checked_ids(prediction_token_ids, "prediction token ids"))
         room = self.max_model_len - len(ids)

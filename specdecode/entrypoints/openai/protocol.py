@@ -129,6 +129,7 @@ class _SamplingRequest(_Request):
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None  # OpenAI: token id (a string key) -> bias in [-100, 100]
     min_tokens: int = Field(0, ge=0)  # vLLM: EOS, stop_token_ids and stop strings count only after this many
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM: keep the prompt's last k tokens (-1: all that fit)
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -213,7 +214,7 @@ class _SamplingRequest(_Request):
             # vLLM refuses it too: stream options without a stream are a client mistake, not a no-op
             raise ParamError("stream_options", "stream_options can only be given when stream is true.")
         kw: dict[str, Any] = dict(n=self.n, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                                  min_tokens=self.min_tokens,
+                                  min_tokens=self.min_tokens, truncate_prompt_tokens=self.truncate_prompt_tokens,
                                   logit_bias=self.logit_bias or None,
                                   ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
                                   include_stop_str_in_output=self.include_stop_str_in_output, seed=self.seed,
@@ -252,6 +253,9 @@ class CompletionRequest(_SamplingRequest):
         if self.suffix and self.echo:
             raise ParamError("echo", "echo cannot be combined with suffix: a fill-in-the-middle answer is not a "
                                      "continuation of the prompt.")
+        if self.echo and self.truncate_prompt_tokens is not None:
+            raise ParamError("echo", "echo cannot be combined with truncate_prompt_tokens: echo returns the prompt "
+                                     "as sent.")
         if self.max_tokens == 0 and not self.echo:
             raise ParamError("max_tokens", "max_tokens must be at least 1 (0 only with echo, to score the prompt).")
         if self.best_of is not None and self.best_of != self.n:
