@@ -144,6 +144,7 @@ def test_a_model_without_fim_tokens_refuses_suffix_by_name(tiny_models):
     assert_one_line_error(run_cli("generate", "-m", model, "-p", "a", "--suffix", "b", "-n", 2),
                           "--suffix: suffix asks to fill in the middle")
     assert_one_line_error(run_cli("generate", "-m", model, "-p", "a", "--suffix", "b", "--chat"), "drop --chat")
+    assert_one_line_error(run_cli("generate", "-m", model, "--suffix", "b"), "give the text before it with -p or -f")
 
 
 def test_generate_suffix_file_prints_prefix_middle_suffix(pair, tmp_path):

@@ -108,6 +108,8 @@ def run(args) -> int:
     if fim and (args.chat or args.system is not None):
         raise CLIError(f"{fim} fills in the middle of plain text, without the chat template: drop "
                        f"{'--chat' if args.chat else '--system'}")
+    if fim and args.prompt is None and args.file is None:
+        raise CLIError(f"{fim} fills the gap after the prompt: give the text before it with -p or -f")
     args.raw = args.raw or fim is not None
     if args.raw and args.chat:
         raise CLIError("--raw and --chat contradict each other; pass one")
