@@ -54,6 +54,9 @@ class SamplingParams:
     prediction: str | None = None
     # vLLM's: keep only the prompt's last k tokens (-1: as many as max_model_len leaves room for, with one to write)
     truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be generated
+    # vLLM's: words that must not be generated; the last token of a word is refused where it would complete it
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -113,6 +116,16 @@ class SamplingParams:
             bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}.")
+        allowed = self.allowed_token_ids
+        if allowed is not None and (not isinstance(allowed, (list, tuple)) or not allowed or any(
+                not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in allowed)):
+            bad("allowed_token_ids must be a non-empty list of token ids (integers >= 0).")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or any(
+                    not isinstance(w, str) or not w.strip() for w in self.bad_words):
+                bad("bad_words must be a list of words (non-empty strings).")
+            for w in self.bad_words:
+                check_text(w, "bad_words")
         t = self.truncate_prompt_tokens
         if t is not None and (not isinstance(t, int) or isinstance(t, bool) or (t < 1 and t != -1)):
             bad(f"truncate_prompt_tokens must be -1 (to max_model_len) or an integer >= 1, got {t!r}.")

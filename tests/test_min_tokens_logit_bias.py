@@ -211,7 +211,8 @@ N_BROKEN = 300
 
 def _processed_marginal(model_dir, params: SamplingParams, prompt: list[int], eos: set[int]) -> np.ndarray:
     """sum_x1 p(x1) p(x2 | x1), each row with logit_bias added and the stop tokens masked (both rows are
-    before min_tokens=2), then the temperature; computed here from the target's logits directly."""
+    before min_tokens=2), and only allowed_token_ids kept, then the temperature; computed here from the target's
+    logits directly."""
     from specdecode.engine.model_runner import ModelRunner
     from specdecode.models.loader import load_model
 
@@ -225,6 +226,10 @@ def _processed_marginal(model_dir, params: SamplingParams, prompt: list[int], eo
     def probs(logits: torch.Tensor) -> torch.Tensor:
         x = logits.float() + bias
         x[stops] = NEG
+        if params.allowed_token_ids:
+            keep = torch.zeros(V, dtype=torch.bool)
+            keep[params.allowed_token_ids] = True
+            x[~keep] = NEG
         return logits_to_probs(x[None], [SamplingParams(temperature=params.temperature)])[0].double()
 
     p1 = probs(runner.prefill(0, prompt))
@@ -267,6 +272,24 @@ def test_sampling_follows_the_processed_target(one_thread, llm_cache, sharp_targ
     broken = _second_tokens(llm, params, N_BROKEN, seed0=10 ** 6)
     pval = chi2_pvalue(broken, marg)
     assert pval < ALPHA, f"an engine that skips the verified rows went unnoticed (p={pval:.2e})"
+
+
+def test_sampling_with_allowed_token_ids_follows_the_masked_target(one_thread, llm_cache, sharp_target,
+                                                                    sharp_draft):
+    """The same 2nd-token test with allowed_token_ids: the rejection sampler must take the masked target's
+    distribution at the verified row, where the draft model proposes from the whole vocabulary."""
+    llm = llm_cache.get(sharp_target, speculative_model=sharp_draft, num_speculative_tokens=1, max_model_len=64,
+                        max_num_seqs=16)
+    base = SamplingParams(**SAMPLED)
+    marg = _processed_marginal(sharp_target, base, PROMPT[:6], llm.engine.eos_token_ids)
+    # the likeliest second tokens, less the top one: the mask moves mass and drafts of the top token are rejected
+    allowed = [int(t) for t in np.argsort(marg)[::-1][1:13]]
+    params = base.clone(allowed_token_ids=allowed)
+    marg = _processed_marginal(sharp_target, params, PROMPT[:6], llm.engine.eos_token_ids)
+    second = _second_tokens(llm, params, N_SAMPLES, seed0=0)
+    assert set(np.nonzero(second)[0]) <= set(allowed)
+    pval = chi2_pvalue(second, marg)
+    assert pval > ALPHA, f"2nd token does not follow the masked target (p={pval:.2e})"
 
 
 # ---------------------------------------------------------------- the server: both routes, through the openai client
@@ -342,3 +365,72 @@ def test_a_bad_prompt_later_in_the_list_leaves_the_engine_clean(engines, sharp_t
             good, SamplingParams(temperature=0, max_tokens=4, logit_bias={10 ** 6: 1.0})])
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.pool.num_used_blocks == 0
+
+
+# ---------------------------------------------------------------- vLLM's allowed_token_ids and bad_words
+def test_bans_follow_each_rows_history():
+    """Row j follows output + drafts[:j]: a bad word's last token is banned exactly on the rows whose history ends
+    with the rest of it; a one-token word everywhere; allowed_token_ids leaves only its ids, before logit_bias."""
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randn(4, 8, generator=g)
+    p = SamplingParams(temperature=0, allowed_token_ids=[1, 2, 3, 4, 6], logit_bias={6: 1.0})
+    out = request_logits(rows, p, output=[7, 3], drafts=[4, 1, 2], eos_ids={0}, bad_words_ids=[[3, 4, 1], [6]])
+    expect = torch.full_like(rows, NEG)
+    expect[:, [1, 2, 3, 4]] = rows[:, [1, 2, 3, 4]]
+    expect[1, 1] = NEG  # row 1 follows [7, 3, 4]: the word [3, 4, 1] would end here
+    assert torch.equal(out, expect)  # token 6 is banned on every row, so its bias changes nothing
+    with pytest.raises(ValueError, match="leave no token"):  # allowed only EOS while min_tokens holds it back
+        request_logits(rows, SamplingParams(allowed_token_ids=[0], min_tokens=3), [7], [3], {0})
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ({"allowed_token_ids": [True]}, "allowed_token_ids"), ({"bad_words": [" "]}, "bad_words"),
+    ({"bad_words": "word"}, "bad_words"), ({"bad_words": ["a\ud800"]}, "bad_words"),
+])
+def test_ban_params_validation(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        SamplingParams(**kwargs)
+
+
+def test_allowed_token_ids_and_bad_words_are_exact_under_speculation(plain_greedy, engines, sharp_target):
+    word = engines(sharp_target, "none").get_tokenizer().decode(plain_greedy[2:3]).strip()
+    assert word, "need a visible token to ban"
+    allowed = sorted(set(plain_greedy[:6]) | {300, 301})
+    runs = {}
+    for spec in SPEC:
+        llm = engines(sharp_target, spec)
+        seqs = llm.engine.bad_words_ids([word])
+        assert [plain_greedy[2]] in seqs or any(s[-1] == plain_greedy[2] for s in seqs), seqs
+        banned, _, _ = _greedy(llm, max_tokens=16, ignore_eos=True, bad_words=[word])
+        assert not any(banned[i:i + len(s)] == s for s in seqs for i in range(len(banned))), (spec, banned)
+        only, _, _ = _greedy(llm, max_tokens=16, ignore_eos=True, allowed_token_ids=allowed)
+        assert set(only) <= set(allowed), (spec, only)
+        runs[spec] = (banned, only)
+    assert runs["none"][0] != plain_greedy[:16]  # plain greedy decoding wrote the word at position 2
+    assert all(run == runs["none"] for run in runs.values()), runs
+    # allowed only EOS while min_tokens holds it back: that request fails alone, with the reason
+    o = engines(sharp_target, "ngram").generate(prompt_token_ids=[PROMPT], use_tqdm=False, sampling_params=[
+        SamplingParams(temperature=0, max_tokens=4, min_tokens=3, allowed_token_ids=[0])])[0]
+    assert o.error is not None and "leave no token" in o.error, o
+
+
+def test_server_allowed_token_ids_and_bad_words(server, eos_early, engines):
+    import httpx
+
+    model, _, _ = eos_early
+    client = _client(server)
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0,
+                                  extra_body={"allowed_token_ids": [300]})
+    assert r.choices[0].text == engines(model, "none").get_tokenizer().decode([300] * 6)
+    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    first = plain.choices[0].text.split()[0]
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True, "bad_words": [first]})
+    assert r.choices[0].text != plain.choices[0].text
+    for extra, param in (({"allowed_token_ids": [10 ** 7]}, "allowed_token_ids"),
+                         ({"allowed_token_ids": []}, "allowed_token_ids"),
+                         ({"bad_words": [""]}, "bad_words")):
+        resp = httpx.post(f"{server}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2, **extra})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (extra, resp.text)

@@ -267,6 +267,10 @@ class LLMEngine:
         if params.logit_bias and max(params.logit_bias) >= self.target.vocab_size:
             raise ValueError(f"logit_bias names token id {max(params.logit_bias)}, outside the vocabulary "
                              f"(ids 0..{self.target.vocab_size - 1}).")
+        if params.allowed_token_ids and max(params.allowed_token_ids) >= self.target.vocab_size:
+            raise ValueError(f"allowed_token_ids names token id {max(params.allowed_token_ids)}, outside the "
+                             f"vocabulary (ids 0..{self.target.vocab_size - 1}).")
+        bad_words = self.bad_words_ids(params.bad_words)
         ids = self.encode_prompt(prompt, prompt_token_ids, truncate=params.truncate_prompt_tokens)
         predicted = (self.encode_prediction(params.prediction) if prediction_token_ids is None
                      else self._checked_ids(prediction_token_ids, "prediction token ids"))
@@ -278,12 +282,24 @@ class LLMEngine:
             p = params if params.n == 1 or params.seed is None else params.clone(seed=(params.seed + i) % 2 ** 64)
             children.append(Request(request_id, text, ids, p, self.tokenizer, max_tokens, i))
             children[-1].prediction_ids = predicted
+            children[-1].bad_words_ids = bad_words
         if params.structured_outputs is not None:  # compiled before queueing: a bad constraint is the caller's error
             for child in children:
                 child.matcher = self.grammar_compiler.matcher(params.structured_outputs)
         self.scheduler.add(children)
         self._parents[request_id] = children
         self.num_prompt_tokens += len(ids) * params.n
+
+    def bad_words_ids(self, words: list[str] | None) -> list[list[int]]:
+        """SamplingParams.bad_words as token sequences: each word as written and after a space (a word starts
+        with one inside a text, not at its start), as vLLM tokenizes them."""
+        seqs: list[list[int]] = []
+        for word in words or ():
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        return seqs
 
     def _checked_ids(self, token_ids: list[int], what: str) -> list[int]:
         ids = [int(t) for t in token_ids]
@@ -641,7 +657,8 @@ class LLMEngine:
             # Row j follows the output and d[:j]: logit_bias, min_tokens and penalties per row, then the grammar's
             # mask (structured outputs: the grammar state after d[:j]).
             grammar = (lambda x, r=r, d=d: mask_rows(r, x, d)) if matcher_of(r) is not None else None
-            rows = request_logits(lg[:len(d) + 1], r.params, r.output_token_ids, d, self.eos_token_ids, grammar)
+            rows = request_logits(lg[:len(d) + 1], r.params, r.output_token_ids, d, self.eos_token_ids, grammar,
+                                  r.bad_words_ids)
             if r.params.greedy:
                 processed.append(rows.float())
                 continue

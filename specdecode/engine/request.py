@@ -59,6 +59,7 @@ class Request:
             [None] if params.prompt_logprobs is not None and index == 0 else None)
         self.metrics = RequestMetrics(arrival_time=time.time())
         self.prediction_ids: list[int] | None = None  # SamplingParams.prediction's tokens (the engine sets them)
+        self.bad_words_ids: list[list[int]] = []  # SamplingParams.bad_words as token sequences (the engine sets them)
         # adaptive k: this request's acceptance of draft-model drafts and of drafts looked up in its context
         self.acceptance = Acceptance()
         self.lookup_acceptance = Acceptance()

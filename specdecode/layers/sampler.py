@@ -63,16 +63,42 @@ def apply_min_tokens(logits: torch.Tensor, p: SamplingParams, num_output: int,
     return logits
 
 
+def apply_token_bans(logits: torch.Tensor, p: SamplingParams, histories: list[list[int]],
+                     bad_words_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Rows [N, V] with what may not come next at -inf: every token outside ``allowed_token_ids``, and for each
+    bad word's token sequence, its last token where the row's history ends with the rest of it."""
+    if not p.allowed_token_ids and not bad_words_ids:
+        return logits
+    logits = logits.float().clone()
+    if p.allowed_token_ids:
+        keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        keep[torch.tensor(p.allowed_token_ids, device=logits.device)] = True
+        logits[:, ~keep] = float("-inf")
+    for j, history in enumerate(histories):
+        banned = [w[-1] for w in bad_words_ids if len(w) == 1 or _ends_with(history, w[:-1])]
+        if banned:
+            logits[j, banned] = float("-inf")
+    return logits
+
+
+def _ends_with(history: list[int], head: Sequence[int]) -> bool:
+    return len(history) >= len(head) and history[len(history) - len(head):] == list(head)
+
+
 def request_logits(rows: torch.Tensor, p: SamplingParams, output: list[int], drafts: Sequence[int],
                    eos_ids: Collection[int],
-                   grammar_mask: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+                   grammar_mask: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                   bad_words_ids: Sequence[Sequence[int]] = ()) -> torch.Tensor:
     """One request's verification logits [len(drafts) + 1, V] -> the logits its sampling transform takes.
 
     Row j is the target's distribution after ``output + drafts[:j]``, so everything that depends on the
     output so far is applied per row with that history: this is what keeps speculation exact (a draft that
     plain decoding could not produce at its position gets probability 0 and is rejected). vLLM's order:
-    logit_bias, min_tokens, penalties; then the grammar's mask. A grammar outranks min_tokens: where it allows
-    nothing but stopping, the request stops (rather than having no token to sample)."""
+    allowed_token_ids and bad_words, logit_bias, min_tokens, penalties; then the grammar's mask. A grammar
+    outranks min_tokens: where it allows nothing but stopping, the request stops (rather than having no token
+    to sample). ``bad_words_ids``: the token sequences of p.bad_words (``LLMEngine.bad_words_ids``)."""
+    if p.allowed_token_ids or bad_words_ids:
+        rows = apply_token_bans(rows, p, [output + list(drafts[:j]) for j in range(rows.shape[0])], bad_words_ids)
     rows = apply_logit_bias(rows, p)
     blocked = apply_min_tokens(rows, p, len(output), eos_ids)
     history = [output + list(drafts[:j]) for j in range(rows.shape[0])] if p.has_penalties else None
@@ -81,6 +107,8 @@ def request_logits(rows: torch.Tensor, p: SamplingParams, output: list[int], dra
         return apply_penalties(x, [p] * x.shape[0], history) if history is not None else x
 
     out = penalized(blocked)
+    if (p.allowed_token_ids or bad_words_ids) and bool(torch.isneginf(out).all(-1).any()):
+        raise SamplingError("allowed_token_ids, bad_words and min_tokens leave no token that may come next.")
     if grammar_mask is None:
         return out
     masked = grammar_mask(out)

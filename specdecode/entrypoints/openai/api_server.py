@@ -310,13 +310,14 @@ class OpenAIServer:
                        param="model", code="model_not_found")
 
     def check_vocab(self, params: SamplingParams) -> None:
-        """logit_bias and stop_token_ids name token ids of this model's vocabulary; otherwise a 400 naming the
-        field (a stop token the model cannot produce would be ignored without a word)."""
+        """logit_bias, stop_token_ids and allowed_token_ids name token ids of this model's vocabulary; otherwise a
+        400 naming the field (a stop token the model cannot produce would be ignored without a word)."""
         engine = getattr(self.engine, "engine", None)
         if engine is None:
             return
         vocab = engine.target.vocab_size
-        for field, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+        for field, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids),
+                           ("allowed_token_ids", params.allowed_token_ids or ())):
             outside = sorted(t for t in ids if t >= vocab)
             if outside:
                 raise APIError(400, f"{field} names token id {outside[0]}, outside this model's vocabulary (ids "

@@ -130,6 +130,8 @@ class _SamplingRequest(_Request):
     logit_bias: dict[str, float] | None = None  # OpenAI: token id (a string key) -> bias in [-100, 100]
     min_tokens: int = Field(0, ge=0)  # vLLM: EOS, stop_token_ids and stop strings count only after this many
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM: keep the prompt's last k tokens (-1: all that fit)
+    allowed_token_ids: list[int] | None = None  # vLLM: only these tokens may be generated
+    bad_words: list[str] | None = None  # vLLM: words that must not be generated
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -215,6 +217,7 @@ class _SamplingRequest(_Request):
             raise ParamError("stream_options", "stream_options can only be given when stream is true.")
         kw: dict[str, Any] = dict(n=self.n, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                                   min_tokens=self.min_tokens, truncate_prompt_tokens=self.truncate_prompt_tokens,
+                                  allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
                                   logit_bias=self.logit_bias or None,
                                   ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
                                   include_stop_str_in_output=self.include_stop_str_in_output, seed=self.seed,
