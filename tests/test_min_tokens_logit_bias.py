@@ -431,6 +431,6 @@ def test_server_allowed_token_ids_and_bad_words(server, eos_early, engines):
     assert r.choices[0].text != plain.choices[0].text
     for extra, param in (({"allowed_token_ids": [10 ** 7]}, "allowed_token_ids"),
                          ({"allowed_token_ids": []}, "allowed_token_ids"),
-                         ({"bad_words": [""]}, "bad_words")):
+                         ({"bad_words": [""]}, "bad_words"), ({"bad_words": ["w"] * 257}, "bad_words")):
         resp = httpx.post(f"{server}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2, **extra})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (extra, resp.text)

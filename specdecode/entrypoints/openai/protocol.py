@@ -151,6 +151,14 @@ class _SamplingRequest(_Request):
             raise ValueError(f"stop holds {len(stop)} strings; this server takes at most {MAX_STOP_STRINGS}.")
         return stop
 
+    @field_validator("bad_words")
+    @classmethod
+    def _few_bad_words(cls, words: list[str] | None) -> list[str] | None:
+        # They are tokenized when the request is added, on the engine thread, and checked at every verified row.
+        if words is not None and len(words) > MAX_STOP_STRINGS:
+            raise ValueError(f"bad_words holds {len(words)} words; this server takes at most {MAX_STOP_STRINGS}.")
+        return words
+
     @field_validator("logit_bias")
     @classmethod
     def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
