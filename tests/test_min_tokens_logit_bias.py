@@ -409,10 +409,10 @@ def test_allowed_token_ids_and_bad_words_are_exact_under_speculation(plain_greed
         runs[spec] = (banned, only)
     assert runs["none"][0] != plain_greedy[:16]  # plain greedy decoding wrote the word at position 2
     assert all(run == runs["none"] for run in runs.values()), runs
-    # allowed only EOS while min_tokens holds it back: that request fails alone, with the reason
-    o = engines(sharp_target, "ngram").generate(prompt_token_ids=[PROMPT], use_tqdm=False, sampling_params=[
-        SamplingParams(temperature=0, max_tokens=4, min_tokens=3, allowed_token_ids=[0])])[0]
-    assert o.error is not None and "leave no token" in o.error, o
+    # allowed only EOS while min_tokens holds it back: refused when added, naming the field
+    with pytest.raises(ValueError, match="allowed_token_ids holds only stop tokens"):
+        engines(sharp_target, "ngram").generate(prompt_token_ids=[PROMPT], use_tqdm=False, sampling_params=[
+            SamplingParams(temperature=0, max_tokens=4, min_tokens=3, allowed_token_ids=[0])])
 
 
 def test_server_allowed_token_ids_and_bad_words(server, eos_early, engines):
@@ -431,6 +431,7 @@ def test_server_allowed_token_ids_and_bad_words(server, eos_early, engines):
     assert r.choices[0].text != plain.choices[0].text
     for extra, param in (({"allowed_token_ids": [10 ** 7]}, "allowed_token_ids"),
                          ({"allowed_token_ids": []}, "allowed_token_ids"),
-                         ({"bad_words": [""]}, "bad_words"), ({"bad_words": ["w"] * 257}, "bad_words")):
+                         ({"bad_words": [""]}, "bad_words"), ({"bad_words": ["w"] * 257}, "bad_words"),
+                         ({"allowed_token_ids": [0], "min_tokens": 1}, "allowed_token_ids")):
         resp = httpx.post(f"{server}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2, **extra})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (extra, resp.text)

@@ -270,6 +270,11 @@ class LLMEngine:
         if params.allowed_token_ids and max(params.allowed_token_ids) >= self.target.vocab_size:
             raise ValueError(f"allowed_token_ids names token id {max(params.allowed_token_ids)}, outside the "
                              f"vocabulary (ids 0..{self.target.vocab_size - 1}).")
+        if params.allowed_token_ids and params.min_tokens > 0:
+            held = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+            if set(params.allowed_token_ids) <= held:
+                raise ValueError("allowed_token_ids holds only stop tokens, which min_tokens holds back: no token "
+                                 "could be written before min_tokens.")
         bad_words = self.bad_words_ids(params.bad_words)
         ids = self.encode_prompt(prompt, prompt_token_ids, truncate=params.truncate_prompt_tokens)
         predicted = (self.encode_prediction(params.prediction) if prediction_token_ids is None
