@@ -63,7 +63,7 @@ def apply_min_tokens(logits: torch.Tensor, p: SamplingParams, num_output: int,
     return logits
 
 
-def apply_token_bans(logits: torch.Tensor, p: SamplingParams, histories: list[list[int]],
+def apply_token_bans(logits: torch.Tensor, p: SamplingParams, histories: list[list[int]] | None,
                      bad_words_ids: Sequence[Sequence[int]]) -> torch.Tensor:
     """Rows [N, V] with what may not come next at -inf: every token outside ``allowed_token_ids``, and for each
     bad word's token sequence, its last token where the row's history ends with the rest of it."""
@@ -74,7 +74,7 @@ def apply_token_bans(logits: torch.Tensor, p: SamplingParams, histories: list[li
         keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
         keep[torch.tensor(p.allowed_token_ids, device=logits.device)] = True
         logits[:, ~keep] = float("-inf")
-    for j, history in enumerate(histories):
+    for j, history in enumerate(histories if bad_words_ids else ()):
         banned = [w[-1] for w in bad_words_ids if len(w) == 1 or _ends_with(history, w[:-1])]
         if banned:
             logits[j, banned] = float("-inf")
@@ -97,14 +97,15 @@ def request_logits(rows: torch.Tensor, p: SamplingParams, output: list[int], dra
     allowed_token_ids and bad_words, logit_bias, min_tokens, penalties; then the grammar's mask. A grammar
     outranks min_tokens: where it allows nothing but stopping, the request stops (rather than having no token
     to sample). ``bad_words_ids``: the token sequences of p.bad_words (``LLMEngine.bad_words_ids``)."""
-    if p.allowed_token_ids or bad_words_ids:
-        rows = apply_token_bans(rows, p, [output + list(drafts[:j]) for j in range(rows.shape[0])], bad_words_ids)
+    # each row's history, where bad words or penalties read it
+    history = ([output + list(drafts[:j]) for j in range(rows.shape[0])]
+               if p.has_penalties or bad_words_ids else None)
+    rows = apply_token_bans(rows, p, history, bad_words_ids)
     rows = apply_logit_bias(rows, p)
     blocked = apply_min_tokens(rows, p, len(output), eos_ids)
-    history = [output + list(drafts[:j]) for j in range(rows.shape[0])] if p.has_penalties else None
 
     def penalized(x: torch.Tensor) -> torch.Tensor:
-        return apply_penalties(x, [p] * x.shape[0], history) if history is not None else x
+        return apply_penalties(x, [p] * x.shape[0], history) if p.has_penalties else x
 
     out = penalized(blocked)
     if (p.allowed_token_ids or bad_words_ids) and bool(torch.isneginf(out).all(-1).any()):
