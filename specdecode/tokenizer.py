@@ -227,8 +227,8 @@ def apply_chat_template(tokenizer, messages: list[dict[str, Any]], add_generatio
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts.")
     if continue_final_message and add_generation_prompt:
-        raise ValueError("continue_final_message continues the last message and add_generation_prompt starts a "
-                         "new one: set add_generation_prompt to false.")
+        raise ValueError("continue_final_message continues the last message and add_generation_prompt (true by "
+                         "default) starts a new one: set add_generation_prompt to false.")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                          tools=tools or None, **template_kwargs)
     return _open_final_message(text, messages[-1]) if continue_final_message and messages else text

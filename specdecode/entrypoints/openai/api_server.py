@@ -535,14 +535,12 @@ class OpenAIServer:
                 why = _TEMPLATE_KWARGS_REFUSED.get(key)
                 if why is not None:
                     raise ParamError(f"chat_template_kwargs.{key}", f"chat_template_kwargs may not set {key!r}: {why}")
-            if body.continue_final_message and body.add_generation_prompt:
-                raise ParamError("continue_final_message", "continue_final_message continues the last message and "
-                                 "add_generation_prompt (true by default) starts a new one: set add_generation_prompt "
-                                 "to false.")
             return apply_chat_template(self.tokenizer, messages, body.add_generation_prompt, tools=body.tool_dicts(),
                                        continue_final_message=body.continue_final_message, **kwargs)
         except ValueError as e:
-            raise APIError(400, str(e), param=getattr(e, "param", "messages"), code="invalid_value") from None
+            # the field the message starts with (apply_chat_template's continue_final_message errors), else messages
+            param = getattr(e, "param", None) or _field_param(str(e)) or "messages"
+            raise APIError(400, str(e), param=param, code="invalid_value") from None
         except Exception as e:  # jinja errors from a template that rejects the conversation
             raise APIError(400, f"The chat template could not render these messages: {e}", param="messages",
                            code="invalid_value") from None
