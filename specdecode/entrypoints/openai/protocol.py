@@ -12,7 +12,7 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_validator
 
 from specdecode.sampling_params import SamplingParams, check_text
 from specdecode.structured import StructuredOutputsParams
@@ -35,7 +35,7 @@ def _check_strings(value: Any, path: str) -> None:
             _check_strings(v, f"{path}[{i}]")
 
 
-MAX_STOP_STRINGS = 256  # per request (OpenAI takes 4)
+MAX_STOP_STRINGS = 256  # per request, for stop and for bad_words (OpenAI takes 4 stop strings)
 
 
 class ParamError(ValueError):
@@ -143,21 +143,15 @@ class _SamplingRequest(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
-    @field_validator("stop")
+    @field_validator("stop", "bad_words")
     @classmethod
-    def _few_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        # Each stop string is searched for after every step, on the engine thread that runs every stream.
-        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop holds {len(stop)} strings; this server takes at most {MAX_STOP_STRINGS}.")
-        return stop
-
-    @field_validator("bad_words")
-    @classmethod
-    def _few_bad_words(cls, words: list[str] | None) -> list[str] | None:
-        # They are tokenized when the request is added, on the engine thread, and checked at every verified row.
-        if words is not None and len(words) > MAX_STOP_STRINGS:
-            raise ValueError(f"bad_words holds {len(words)} words; this server takes at most {MAX_STOP_STRINGS}.")
-        return words
+    def _few_strings(cls, value: str | list[str] | None, info: ValidationInfo) -> str | list[str] | None:
+        # On the engine thread that runs every stream, each stop string is searched for after every step, and each
+        # bad word is tokenized when the request is added and checked at every verified row.
+        if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"{info.field_name} holds {len(value)} strings; this server takes at most "
+                             f"{MAX_STOP_STRINGS}.")
+        return value
 
     @field_validator("logit_bias")
     @classmethod
