@@ -6,9 +6,10 @@ import os
 
 import pytest
 
-from specdecode.speculative.adaptive import (PLAIN, PROBE_EVERY, Acceptance, AdaptiveK, CostModel, StepOption,
-                                             calibration_rows, choose_k, draft_calibration_rows, expected_tokens,
-                                             next_k, plan_step, _StepCosts)
+from specdecode.speculative.adaptive import (PLAIN, PROBE_EVERY, Acceptance, AdaptiveK, CostModel, StepCosts,
+                                             StepOption, calibration_rows, choose_k, draft_calibration_rows,
+                                             expected_tokens, next_k, plan_step)
+from specdecode.speculative.state import SpecState
 
 from helpers_spec import GREEDY, PROMPTS, gen_ids, llm_cache, noisy_drafts, one_thread  # noqa: F401
 
@@ -155,7 +156,7 @@ def test_a_draft_model_that_sat_out_is_tried_again_after_a_few_requests():
     assert Acceptance().rates(c.prior)[0] < 0.05
 
     def steps(n: int, looked_up: bool) -> None:
-        r = SimpleNamespace(acceptance=Acceptance(), lookup_acceptance=Acceptance())
+        r = SimpleNamespace(spec=SpecState())
         for _ in range(n):
             policy.learn(r, [7] if looked_up else [], int(looked_up), looked_up, [], [7], None)
 
@@ -348,12 +349,13 @@ def test_calibration_is_kept_on_disk_and_a_broken_cache_is_rebuilt(one_thread, t
     timing); an unreadable cache file is reported in one line and replaced, never used."""
     import json
 
-    import specdecode.speculative.adaptive as ad
+    import specdecode.speculative.adaptive.cache as cache
+    import specdecode.speculative.adaptive.policy as ad
     from specdecode import LLM
 
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
     monkeypatch.setattr(ad, "_CALIBRATED", {})  # a fresh process
-    monkeypatch.setattr(ad, "MAX_OTHER_CPU_SHARE", 1.0)  # kept however busy the test machine is
+    monkeypatch.setattr(cache, "MAX_OTHER_CPU_SHARE", 1.0)  # kept however busy the test machine is
     timed = []
     real = ad.calibrate
     monkeypatch.setattr(ad, "calibrate", lambda *a, **k: timed.append(1) or real(*a, **k))
@@ -377,12 +379,13 @@ def test_a_calibration_timed_on_a_busy_machine_is_used_but_not_kept(one_thread, 
                                                                     caplog):
     """Contention skews the stored ratios for every later start, so a calibration during which other
     processes held the CPUs serves this run only: one warning, nothing stored, the next start times again."""
-    import specdecode.speculative.adaptive as ad
+    import specdecode.speculative.adaptive.calibration as calibration
+    import specdecode.speculative.adaptive.policy as ad
     from specdecode import LLM
 
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
     monkeypatch.setattr(ad, "_CALIBRATED", {})
-    monkeypatch.setattr(ad, "other_cpu_share", lambda before, after: 0.6)
+    monkeypatch.setattr(calibration, "other_cpu_share", lambda before, after: 0.6)
     kw = dict(speculative_model="[ngram]", num_speculative_tokens=3, speculative_adaptive=True, max_model_len=128)
     with caplog.at_level("WARNING", logger="specdecode"):
         costs = LLM(str(tiny_models["llama"]), **kw).engine.proposer.costs
@@ -397,7 +400,7 @@ def test_other_cpu_share_sees_a_busy_process():
     import sys
     import time
 
-    import specdecode.speculative.adaptive as ad
+    import specdecode.speculative.adaptive.calibration as ad
 
     # Bounded, so that a test run killed before the finally below leaves no process spinning behind it.
     spin = "import time\nend = time.time() + 30\nprint('spinning', flush=True)\nwhile time.time() < end: pass"
@@ -462,8 +465,7 @@ def test_a_lookup_with_per_token_chances_stops_before_its_contested_tokens():
     policy = AdaptiveK(enabled=True, costs=_cpu_like())
 
     def request():
-        return SimpleNamespace(all_token_ids=list(range(40)), acceptance=Acceptance(),
-                               lookup_acceptance=Acceptance(), num_output_tokens=10, spec_plan=None)
+        return SimpleNamespace(all_token_ids=list(range(40)), spec=SpecState(), num_output_tokens=10)
 
     confident = [0.97] * 6 + [0.1] * 6
     [(looked_up, k)] = policy.plan([request()], [100], [12], [0], [confident])
@@ -496,8 +498,7 @@ def _request(prompt: int, output: int = 0, draft_computed: int = 0):
     from types import SimpleNamespace
     return SimpleNamespace(all_token_ids=[1] * (prompt + output), num_output_tokens=output,
                            draft_computed=draft_computed,
-                           acceptance=Acceptance(decay=1.0, first_ok=8, first_n=10, next_ok=8, next_n=10),
-                           lookup_acceptance=Acceptance(), spec_plan=None)
+                           spec=SpecState(Acceptance(decay=1.0, first_ok=8, first_n=10, next_ok=8, next_n=10)))
 
 
 def test_one_off_catch_up_work_keeps_short_requests_plain():
@@ -517,16 +518,16 @@ def test_a_step_that_looks_up_warms_up_a_draft_model_worth_starting():
     sure = [[0.97] * 6]
     r = _request(400)
     [(looked_up, k)] = policy.plan([r], [399], [6], [4], sure)
-    assert looked_up and k > 0 and r.draft_warm_up
+    assert looked_up and k > 0 and r.spec.draft_warm_up
     r = _request(400)  # 8 tokens left: the catch-up would not pay, so the lookup step does not pay for it either
     [(looked_up, k)] = policy.plan([r], [7], [6], [4], sure)
-    assert looked_up and k > 0 and not r.draft_warm_up
+    assert looked_up and k > 0 and not r.spec.draft_warm_up
     r = _request(400, 2, draft_computed=401)  # nothing to catch up on
     policy.plan([r], [399], [6], [4], sure)
-    assert not r.draft_warm_up
+    assert not r.spec.draft_warm_up
     r = _request(400)  # the draft model itself drafts: its catch-up happens anyway
     [(looked_up, k)] = policy.plan([r], [399], [0], [4])
-    assert not looked_up and k > 0 and not r.draft_warm_up
+    assert not looked_up and k > 0 and not r.spec.draft_warm_up
 
 
 def test_text_a_grammar_forces_does_not_repay_a_draft_catch_up():
@@ -541,7 +542,7 @@ def test_text_a_grammar_forces_does_not_repay_a_draft_catch_up():
     forced.num_forced = 10
     assert policy.plan([forced], [100], [0], [4]) == [(False, 0)]
     forced.draft_prefix = [5] * 4
-    sc = _StepCosts(policy.costs, 416)
+    sc = StepCosts(policy.costs, 416)
     opts = policy._options(forced, False, 4, 100, sc)
     assert all(o.fixed == 4 and o.rows == 5 + o.k for o in opts)
     assert opts[0].tokens == pytest.approx(4 + policy._options(free, False, 1, 100, sc)[0].tokens)
@@ -557,7 +558,7 @@ def test_draft_catch_up_waits_until_a_request_outlives_the_short_answers():
 
     def finished(policy: AdaptiveK, lengths: list[int]) -> None:
         for n in lengths:
-            policy.finished(SimpleNamespace(num_output_tokens=n))
+            policy.finished(SimpleNamespace(num_output_tokens=n, spec=SpecState()))
 
     long_only = AdaptiveK(enabled=True, costs=_cpu_like())
     finished(long_only, [400] * 20)
@@ -574,7 +575,7 @@ def test_draft_catch_up_waits_until_a_request_outlives_the_short_answers():
     # their budget are not spread: they say nothing about answers ending early.
     few_short = AdaptiveK(enabled=True, costs=_cpu_like())
     for n, reason in [(10, "stop")] + [(128, "length")] * 4 + [(12, "stop")] + [(128, "length")] * 4:
-        few_short.finished(SimpleNamespace(num_output_tokens=n, finish_reason=reason))
+        few_short.finished(SimpleNamespace(num_output_tokens=n, finish_reason=reason, spec=SpecState()))
     assert few_short.assured_left(request(13), 500) <= 12
     assert few_short.plan([request(13)], [115], [0], [4]) == [(False, 0)]
     assert few_short.assured_left(request(30), 98) == 98
@@ -582,7 +583,7 @@ def test_draft_catch_up_waits_until_a_request_outlives_the_short_answers():
     # Nor is a request taken to end sooner than the answers seen: after one 65-token answer, a request at its
     # first token has at least 64 to go (JSON answers of 65 and 128 tokens, say).
     one_answer = AdaptiveK(enabled=True, costs=_cpu_like())
-    one_answer.finished(SimpleNamespace(num_output_tokens=65, finish_reason="stop"))
+    one_answer.finished(SimpleNamespace(num_output_tokens=65, finish_reason="stop", spec=SpecState()))
     assert one_answer.assured_left(request(1), 127) >= 64
     # The budget caps what is left: 8 tokens to go cannot pay for the prefill however long answers run.
     assert long_only.assured_left(request(0), 7) == 8
@@ -597,8 +598,7 @@ def test_no_draft_catch_up_while_the_batch_is_about_to_grow_back():
     from types import SimpleNamespace
 
     def req(seen: int):
-        return SimpleNamespace(all_token_ids=[1] * 100, num_output_tokens=0, draft_computed=seen,
-                               acceptance=Acceptance(), lookup_acceptance=Acceptance())
+        return SimpleNamespace(all_token_ids=[1] * 100, num_output_tokens=0, draft_computed=seen, spec=SpecState())
 
     assert AdaptiveK(enabled=True, costs=_cpu_like()).plan([req(0)], [50], [0], [4])[0][1] > 0  # alone: drafts
     policy = AdaptiveK(enabled=True, costs=_cpu_like())
@@ -622,7 +622,7 @@ def test_probes_only_where_acceptance_is_what_keeps_speculation_off():
     def requests(n: int, rate: float):
         low = Acceptance(decay=1.0, first_ok=rate * 50, first_n=50, next_ok=rate * 50, next_n=50)
         return [SimpleNamespace(all_token_ids=[1] * 50, num_output_tokens=0, draft_computed=50,
-                                acceptance=Acceptance(**low.__dict__), lookup_acceptance=Acceptance())
+                                spec=SpecState(Acceptance(**low.__dict__)))
                 for _ in range(n)]
 
     alone = requests(1, 0.05)  # rarely accepted: off, but probed now and then
@@ -631,7 +631,7 @@ def test_probes_only_where_acceptance_is_what_keeps_speculation_off():
     crowd = requests(16, 0.8)  # well accepted, but the batch's rows are too dear: never probed
     for _ in range(PROBE_EVERY * 3):
         assert all(k == 0 for _, k in policy.plan(crowd, [100] * 16, [0] * 16, [4] * 16))
-    assert all(r.acceptance.steps_without_spec == 0 for r in crowd)
+    assert all(r.spec.acceptance.steps_without_spec == 0 for r in crowd)
 
 
 def test_a_full_cost_cache_drops_entries_of_vanished_models_first(tmp_path, monkeypatch):
@@ -639,7 +639,7 @@ def test_a_full_cost_cache_drops_entries_of_vanished_models_first(tmp_path, monk
     entries of models still on disk, so a test run does not push out the real models' costs."""
     import json
 
-    import specdecode.speculative.adaptive as ad
+    import specdecode.speculative.adaptive.cache as ad
 
     monkeypatch.setattr(ad, "_MAX_CACHED_COSTS", 3)
     monkeypatch.setattr(ad, "MAX_OTHER_CPU_SHARE", 1.0)
@@ -682,8 +682,7 @@ def test_the_targets_confidence_judges_a_draft_model_that_has_not_drafted_yet():
 
     def request(confidences: list[float]):
         return SimpleNamespace(all_token_ids=[1] * 460, num_output_tokens=60, draft_computed=0,
-                               acceptance=Acceptance(), lookup_acceptance=Acceptance(), spec_plan=None,
-                               confidence=list(confidences))
+                               spec=SpecState(confidence=list(confidences)))
 
     assert policy.plan([request([])], [400], [0], [4]) == [(False, 0)]  # the engine-wide rate: plain
     assert policy.plan([request([0.995] * 8)], [400], [0], [4])[0][1] > 0
@@ -738,7 +737,7 @@ def test_the_engine_notes_the_targets_confidence_for_a_draft_model(one_thread, l
     orig = eng.proposer.observe
 
     def observe(request, drafted, accepted, emitted):
-        seen.append(list(request.confidence))
+        seen.append(list(request.spec.confidence))
         hopeless.append(policy.drafting_hopeless)
         return orig(request, drafted, accepted, emitted)
 

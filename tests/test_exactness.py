@@ -284,13 +284,13 @@ def test_a_copy_opened_by_the_draft_model_stays_exact(plain, llm_cache, tiny_mod
                 return found
         return []
     copies = []
-    real_observe = eng.proposer._observe_step
+    real_observe = eng.proposer.policy.learn
 
     def observe(r, drafted, accepted, looked_up, found, emitted, copied_from):
         copies.append((copied_from, len(drafted), accepted))
         return real_observe(r, drafted, accepted, looked_up, found, emitted, copied_from)
     monkeypatch.setattr(le, "ngram_lookup", lookup)
-    monkeypatch.setattr(eng.proposer, "_observe_step", observe)
+    monkeypatch.setattr(eng.proposer.policy, "learn", observe)
     outs = _generate(llm, PROMPTS, max_tokens=MAX_TOKENS, **GREEDY)
     assert [list(o.outputs[0].token_ids) for o in outs] == want
     opened = [c for c in copies if c[0] is not None]

@@ -418,14 +418,14 @@ def test_end_to_end_third_token_with_confidence_stops_and_opened_copies(e2e_llm_
     marg = _third_token_marginal(sharp_target, params, prompt)
     eng = e2e_llm_copy.engine
     kinds = []
-    real_observe = eng.proposer._observe_step
+    real_observe = eng.proposer.policy.learn
 
     def observe(r, drafted, accepted, looked_up, found, emitted, copied_from):
         if r.num_output_tokens - len(emitted) == 1:  # the step that drafts the 2nd and 3rd tokens (observed
             # after its tokens are committed)
             kinds.append("lookup" if looked_up else "copy" if copied_from is not None else len(drafted))
         return real_observe(r, drafted, accepted, looked_up, found, emitted, copied_from)
-    monkeypatch.setattr(eng.proposer, "_observe_step", observe)
+    monkeypatch.setattr(eng.proposer.policy, "learn", observe)
     (third,) = _sample(e2e_llm_copy, params, N_E2E, seed0=9 * 10**5, prompt=prompt, max_tokens=4, positions=(2,))
     share = {k: kinds.count(k) / len(kinds) for k in ("lookup", "copy", 1, 2)}
     assert len(kinds) == N_E2E

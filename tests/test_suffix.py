@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from specdecode.speculative.state import SpecState
 from specdecode.speculative.suffix import SuffixCache, SuffixProposer
 
 from helpers_spec import GREEDY, PROMPTS, gen_ids, llm_cache, noisy_drafts, one_thread  # noqa: F401
@@ -14,8 +15,7 @@ from helpers_spec import GREEDY, PROMPTS, gen_ids, llm_cache, noisy_drafts, one_
 def req(tokens: list[int], prompt_len: int | None = None) -> SimpleNamespace:
     n = len(tokens) if prompt_len is None else prompt_len
     return SimpleNamespace(all_token_ids=list(tokens), prompt_token_ids=list(tokens[:n]),
-                           output_token_ids=list(tokens[n:]), suffix_index=None,
-                           suffix_found=None)
+                           output_token_ids=list(tokens[n:]), spec=SpecState())
 
 
 def test_own_context_continues_the_latest_match():
@@ -83,7 +83,7 @@ def test_each_drafted_token_carries_its_evidence_and_learns_its_rate():
     r = req(seq)
     found = p.find(r, r.all_token_ids, 3)
     assert found == [3, 4, 11]
-    drafted, evidence = r.suffix_found
+    drafted, evidence = r.spec.suffix_found
     assert drafted == found and [e[0] for e in evidence] == [0.75, 0.5, 0.25]
     assert all(e[1] == 4 and e[2] == 3 for e in evidence)  # 4 occurrences of the 3-token match "0 1 2"
     before = p.found_rates(r, found)
@@ -93,13 +93,13 @@ def test_each_drafted_token_carries_its_evidence_and_learns_its_rate():
     for _ in range(30):
         p.find(r, r.all_token_ids, 3)
         p.score_found(r, [3, 4, 7])
-        assert r.suffix_found is None  # scored once
+        assert r.spec.suffix_found is None  # scored once
     p.find(r, r.all_token_ids, 3)
     after = p.found_rates(r, found)
     assert after[0] > before[0] and after[1] > before[1] and after[2] < 0.05
     # A lookup extended by drafts (HybridProposer's copies) is not the one scored.
     p.find(r, r.all_token_ids + [3], 2)
-    assert r.suffix_found[0] == found
+    assert r.spec.suffix_found[0] == found
 
 
 def test_suffix_config_is_validated():

@@ -7,7 +7,7 @@ import time
 from specdecode.layers.sampler import PositionNoise
 from specdecode.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
 from specdecode.sampling_params import SamplingParams
-from specdecode.speculative.adaptive import Acceptance
+from specdecode.speculative.state import SpecState
 from specdecode.tokenizer import IncrementalDetokenizer
 
 
@@ -60,16 +60,7 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=time.time())
         self.prediction_ids: list[int] | None = None  # SamplingParams.prediction's tokens (the engine sets them)
         self.bad_words_ids: list[list[int]] = []  # SamplingParams.bad_words as token sequences (the engine sets them)
-        # adaptive k: this request's acceptance of draft-model drafts and of drafts looked up in its context
-        self.acceptance = Acceptance()
-        self.lookup_acceptance = Acceptance()
-        self.confidence: list[float] = []  # the target's top probability at each step's first position, latest last
-        # The proposer's own per-request state: what this step drafted and from where (HybridProposer), the
-        # request's suffix index and its last lookup with each token's evidence (SuffixProposer). Kept here so
-        # that it goes when the request goes.
-        self.proposer_step = None
-        self.suffix_index = None
-        self.suffix_found = None
+        self.spec = SpecState()  # the proposer's and its adaptive-k policy's state, which goes with the request
 
     @property
     def prefilling(self) -> bool:

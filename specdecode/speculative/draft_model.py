@@ -52,9 +52,9 @@ class DraftModelProposer(Proposer):
     def prefill_seconds(self) -> float:
         return self._prefill_seconds
 
-    def calibrate(self, target, max_len: int, identity: dict, refresh: bool = False):
-        self.runner.model.lm_head = self.head  # a draft step is timed with this proposer's own head
-        return super().calibrate(target, max_len, identity, refresh)
+    @property
+    def draft_head(self) -> torch.nn.Module:
+        return self.head
 
     def head_identity(self) -> str | None:
         if not isinstance(self.head, TruncatedHead):
@@ -210,7 +210,7 @@ class DraftModelProposer(Proposer):
                     continue
                 if not r.params.greedy:  # drawn only now: whether to draft it did not depend on it
                     # a seeded request's guess uses the noise the verifier will use at that position
-                    noise = getattr(r, "noise", None)
+                    noise = r.noise
                     tok = (sample(p, None) if noise is None
                            else noise.choose(p, r.num_output_tokens + len(r.draft_prefix) + len(tokens[i])))
                     if probs is not None and reads_draft_probs(r):

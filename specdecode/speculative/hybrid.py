@@ -14,19 +14,12 @@ out for the rest of the request.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import torch
 
 from specdecode.speculative.adaptive import AdaptiveK
 from specdecode.speculative.draft_model import DraftModelProposer
 from specdecode.speculative.proposer import Proposal, Proposer, context_of
-
-
-@dataclass
-class _Step:
-    """What one step drafted for a request, so that observe() credits each kind of draft."""
-    looked_up: bool = False         # the drafts were looked up in the context
-    found: list[int] | None = None  # the lookup that matched at the step's start, used or not
-    copied_from: int | None = None  # where a copy opened by the draft model's tokens begins
+from specdecode.speculative.state import DraftSources
 
 
 class HybridProposer(Proposer):
@@ -47,9 +40,9 @@ class HybridProposer(Proposer):
     def head_identity(self) -> str | None:
         return self.draft.head_identity()
 
-    def calibrate(self, target, max_len: int, identity: dict, refresh: bool = False):
-        self.draft.runner.model.lm_head = self.draft.head  # a draft step is timed with the draft's own head
-        return super().calibrate(target, max_len, identity, refresh)
+    @property
+    def draft_head(self) -> torch.nn.Module:
+        return self.draft.draft_head
 
     @property
     def draft_runner(self):
@@ -65,7 +58,7 @@ class HybridProposer(Proposer):
 
     def propose(self, requests: list, budgets: list[int]) -> Proposal:
         for r in requests:
-            r.proposer_step = _Step()
+            r.spec.sources = DraftSources()
         caps, lookup_caps = self.caps(budgets), self.caps(budgets, self.lookup_k)
         if not any(caps) and not any(lookup_caps):
             return Proposal([[] for _ in requests])
@@ -75,12 +68,12 @@ class HybridProposer(Proposer):
         # One plan for the batch: per request a lookup, the draft model or neither (see AdaptiveK.plan).
         plan = policy.plan(requests, budgets, [len(f) for f in found], caps,
                            [self.lookup.found_rates(r, f) for r, f in zip(requests, found)])
-        self.draft.warm_up([r for r in requests if getattr(r, "draft_warm_up", False)])
+        self.draft.warm_up([r for r in requests if r.spec.draft_warm_up])
         use, ks = [], []
         for r, f, (looked_up, k) in zip(requests, found, plan):
             use.append(f[:k] if looked_up else [])
             ks.append(0 if looked_up else k)
-            r.proposer_step.found, r.proposer_step.looked_up = f, bool(looked_up and k)
+            r.spec.sources.found, r.spec.sources.looked_up = f, bool(looked_up and k)
         # With a confidence threshold the draft's own probabilities decide how deep it goes: adaptive k only
         # decides whether the draft model runs at all.
         depths = [cap if k else 0 for k, cap in zip(ks, caps)] if self.draft.confidence else ks
@@ -99,23 +92,17 @@ class HybridProposer(Proposer):
                 return []
             copied = self.lookup.find(r, contexts[i] + drafted, room)
             if copied:
-                r.proposer_step.copied_from = len(drafted)
+                r.spec.sources.copied_from = len(drafted)
             return copied
 
         return self.draft.draft(requests, [0 if u else d for u, d in zip(use, depths)], lookups=use,
                                 extend=extend)
 
     def observe(self, request, drafted: list[int], accepted: int, emitted: list[int]) -> None:
-        step = getattr(request, "proposer_step", None) or _Step()
-        request.proposer_step = None
+        step = request.spec.sources or DraftSources()
+        request.spec.sources = None
         self.lookup.score_found(request, emitted)
-        self._observe_step(request, drafted, accepted, step.looked_up, step.found or [], emitted,
-                           step.copied_from)
-
-    def _observe_step(self, r, drafted: list[int], accepted: int, looked_up: bool, found: list[int],
-                      emitted: list[int], copied_from: int | None) -> None:
-        """One verification, with where its drafts came from (tests hook in here to see the kinds)."""
-        self.policy.learn(r, drafted, accepted, looked_up, found, emitted, copied_from)
+        self.policy.learn(request, drafted, accepted, step.looked_up, step.found or [], emitted, step.copied_from)
 
     def rollback(self, request, length: int) -> None:
         self.lookup.rollback(request, length)

@@ -77,9 +77,10 @@ class Proposer:
 
     def calibrate(self, target, max_len: int, identity: dict, refresh: bool = False) -> CostModel:
         """Time (or take from the cost cache) the passes adaptive k weighs: target passes over up to
-        max_k + 1 rows, and this proposer's draft step. ``identity``: the engine's models and settings."""
+        max_k + 1 rows, and this proposer's draft step (with its own LM head, ``draft_head``). ``identity``: the
+        engine's models and settings."""
         return self.policy.calibrate(target, self.draft_runner, self.max_k, max_len,
-                                     dict(identity, head=self.head_identity()), refresh)
+                                     dict(identity, head=self.head_identity()), refresh, self.draft_head)
 
     def head_identity(self) -> str | None:
         """What, besides the draft model's files, sets the cost of a draft step (a truncated head)."""
@@ -131,6 +132,11 @@ class Proposer:
         return Proposal([f[:k] for f, (_, k) in zip(found, plan)])
 
     # ---- a lookup source's calls (``find`` and these two), for itself and for HybridProposer ----
+    def find(self, request, tokens: list[int], k: int) -> list[int]:
+        """A lookup source's draft (NgramProposer, SuffixProposer): up to k tokens that should follow ``tokens``
+        (request's context, possibly extended by drafts), from its predicted output first where it has one."""
+        raise NotImplementedError
+
     def found_rates(self, request, found: list[int]) -> list[float] | None:
         """For the lookup ``find`` just returned for request's context: each token's chance of acceptance,
         given every token before it was accepted. None: the policy uses the request's own lookup rates."""
@@ -143,6 +149,12 @@ class Proposer:
     @property
     def draft_runner(self):
         """The draft model's ModelRunner this proposer runs, or None (model-free drafting)."""
+        return None
+
+    @property
+    def draft_head(self) -> torch.nn.Module | None:
+        """The LM head this proposer's draft model scores with (its full head or a truncated one); None
+        without a draft model."""
         return None
 
     @property

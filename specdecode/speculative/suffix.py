@@ -131,7 +131,7 @@ class SuffixCache:
         return sum(len(t) for t, _ in self.seqs.values())
 
 
-class _LocalIndex:
+class LocalIndex:
     """The request's own prompt and output, indexed as they grow."""
 
     def __init__(self):
@@ -178,7 +178,7 @@ class SuffixProposer(Proposer):
     def finish(self, request) -> None:
         super().finish(request)
         self.cache.add(request.prompt_token_ids, request.output_token_ids)
-        request.suffix_index = request.suffix_found = None
+        request.spec.suffix_index = request.spec.suffix_found = None
 
     # ---- lookup ----
     def find(self, request, tokens: list[int], k: int) -> list[int]:
@@ -191,12 +191,12 @@ class SuffixProposer(Proposer):
             found = (draft, evidence)
         # the step's context itself (committed tokens and the engine's prefix), not one extended by drafts
         if len(tokens) == len(request.all_token_ids) + prefix_length(request):
-            request.suffix_found = found
+            request.spec.suffix_found = found
         return draft
 
     def found_rates(self, request, found: list[int]) -> list[float] | None:
         """Each token's chance of acceptance (the tokens before it accepted), by its evidence class."""
-        last = request.suffix_found
+        last = request.spec.suffix_found
         if not found or last is None or last[0] != found:
             return None
         return [self.evidence.rate(e) for e in last[1]]
@@ -205,8 +205,8 @@ class SuffixProposer(Proposer):
         """Teach the evidence rates what the target emitted after the step's lookup, drafted or not: a
         token counts while every one before it matched (for a one-hot draft, matching the emitted token is
         the acceptance test)."""
-        last = request.suffix_found
-        request.suffix_found = None
+        last = request.spec.suffix_found
+        request.spec.suffix_found = None
         if not last:
             return
         for tok, ev, out in zip(last[0], last[1], emitted):
@@ -219,9 +219,9 @@ class SuffixProposer(Proposer):
         n = len(tokens)
         if k <= 0 or n < 2:
             return [], []
-        local = request.suffix_index
+        local = request.spec.suffix_index
         if local is None:
-            local = request.suffix_index = _LocalIndex()
+            local = request.spec.suffix_index = LocalIndex()
         local.update(request.all_token_ids)
         key = _key(tokens[-2], tokens[-1])
         depth = self.depth

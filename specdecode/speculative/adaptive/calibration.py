@@ -1,0 +1,166 @@
+"""Timing the passes adaptive k weighs: target passes over the row counts a step can verify, and draft passes
+over the row counts a batched draft step or a catch-up feeds, each after a short and a long context.
+
+The result (a ``CostModel``) is kept on disk per setup (cache.py), so only the first engine start times it.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import TYPE_CHECKING
+
+from specdecode.speculative.adaptive.costs import CostModel
+
+if TYPE_CHECKING:
+    import torch
+
+MAX_CALIBRATED_ROWS = 256  # beyond this a pass's cost is extrapolated (it is linear in the rows by then)
+_BIG = 16                  # passes over more rows are timed fewer times: they last long enough to be steady
+
+
+def calibration_rows(k_max: int, batch: int = 1) -> list[int]:
+    """Row counts of the target passes ``calibrate`` times: 1-3, then doubling, and k_max + 1 (one request's
+    verification); with a batch of more than one request, also ``batch`` (a plain step of all of them) and
+    doubling on to batch * (k_max + 1) (every request drafting k_max), at most MAX_CALIBRATED_ROWS. The rest is
+    interpolated."""
+    rows, r = {1, 2, 3, k_max + 1}, 3
+    while r < k_max + 1:
+        r = 2 * r - 1
+        rows.add(min(r, k_max + 1))
+    rows = {x for x in rows if x <= k_max + 1}
+    if batch > 1:
+        top = min(batch * (k_max + 1), MAX_CALIBRATED_ROWS)
+        rows.add(min(batch, top))
+        r = k_max + 1
+        while r < top:
+            r = min(2 * r, top)
+            rows.add(r)
+    return sorted(rows)
+
+
+def draft_calibration_rows(batch: int = 1) -> list[int]:
+    """Row counts of the draft passes ``calibrate`` times: one batched draft step per power of two up to
+    ``batch`` requests, and a long pass (what catching up on many missed tokens, or a draft prefill, costs)."""
+    rows, r = {1}, 1
+    while r < batch:
+        r = min(2 * r, batch)
+        rows.add(r)
+    return sorted(rows | {64})
+
+
+def _cpu_times() -> tuple[int, int, int] | None:
+    """(busy ticks of the CPUs this process may run on, all their ticks, this process's own ticks), from
+    /proc; None where /proc is not there."""
+    try:
+        cpus = os.sched_getaffinity(0)
+        busy = total = 0
+        with open("/proc/stat") as f:
+            for line in f:
+                name, *fields = line.split()
+                if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+                    continue
+                ticks = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
+                total += sum(ticks)
+                busy += sum(ticks) - ticks[3] - ticks[4]
+        with open("/proc/self/stat") as f:
+            own = f.read().rsplit(")", 1)[1].split()
+        return busy, total, int(own[11]) + int(own[12])  # utime, stime
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def other_cpu_share(before: tuple[int, int, int] | None, after: tuple[int, int, int] | None) -> float | None:
+    """The share of this process's CPUs that other processes (or a hypervisor's steal) used between two
+    _cpu_times() readings: 0 on a quiet machine, 0.5 when another busy process holds one of two cores."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    others = (after[0] - before[0]) - (after[2] - before[2])
+    return max(0.0, min(1.0, others / (after[1] - before[1])))
+
+
+@contextlib.contextmanager
+def _scoring_with(draft, head: torch.nn.Module | None):
+    """For the block, the draft runner's model scores with ``head`` (None: whatever it has); afterwards with
+    the head it had. Proposers that share one draft model each put their own head in place when they draft,
+    so timing one proposer's head leaves the shared model as it found it."""
+    if draft is None or head is None:
+        yield
+        return
+    model = draft.model
+    saved, model.lm_head = model.lm_head, head
+    try:
+        yield
+    finally:
+        model.lm_head = saved
+
+
+def calibrate(target, draft, k_max: int, max_len: int, repeats: int = 5,
+              contexts: tuple[int, ...] = (32, 512), batch: int = 1,
+              draft_head: torch.nn.Module | None = None) -> CostModel:
+    """Time target passes over the rows of calibration_rows(k_max, batch) and, with a draft runner, draft
+    passes over draft_calibration_rows(batch), after each of a short and a long context, on cache slot 0 (call
+    it while no request runs: the slot's content is left as scratch). Each round times every row count back
+    to back, after one untimed warm-up round; passes over many rows are timed once. Rows of one
+    slot stand in for rows of many requests: the weights are read once per pass either way. The result's
+    ``other_cpu_share`` says how busy the rest of the machine was meanwhile. ``draft_head``: the LM head the
+    draft's passes are timed with (a proposer's truncated head; None: the draft model's current one)."""
+    with _scoring_with(draft, draft_head):
+        return _timed(target, draft, k_max, max_len, repeats, contexts, batch)
+
+
+def _timed(target, draft, k_max: int, max_len: int, repeats: int, contexts: tuple[int, ...],
+           batch: int) -> CostModel:
+    import torch
+
+    k_max = max(1, min(k_max, max_len - 2))  # a context of at least 1 plus k_max + 1 rows must fit
+    costs = CostModel()
+    gen = torch.Generator().manual_seed(0)
+    vocab = min(target.vocab_size, draft.vocab_size if draft is not None else target.vocab_size)
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+    runners = [target] + ([draft] if draft is not None else [])
+    cpu0 = _cpu_times()
+    for ctx in sorted({max(1, min(c, max_len - k_max - 2)) for c in contexts}):
+        sizes = [n for n in calibration_rows(k_max, batch) if ctx + n <= max_len]
+        dsizes = [n for n in draft_calibration_rows(batch) if ctx + n <= max_len] if draft is not None else []
+        passes = [(False, target, n) for n in sizes] + [(True, draft, n) for n in dsizes]
+        ids = torch.randint(0, vocab, (ctx + max(sizes + dsizes),), generator=gen).tolist()
+        with torch.inference_mode():
+            # A real prefill, not just any content: its seconds of full-speed work also bring the process up
+            # to the speed it keeps (timed without it, a fresh process's passes ran 15-45% slower).
+            for runner in runners:
+                runner.prefill(0, ids[:ctx])
+            times: dict[tuple[bool, int], list[float]] = {(d, n): [] for d, _, n in passes}
+            for rnd in range(repeats + 1):
+                for is_draft, runner, n in passes:
+                    if n > _BIG and rnd != 1:
+                        continue  # long enough to be steady in one go, after the small passes warmed up
+                    # a verification needs every row's logits; a draft step one per request, a catch-up one
+                    all_logits = not is_draft or n <= batch
+                    sync()
+                    t0 = time.perf_counter()
+                    out = runner.forward_rows([(0, ctx, ids[ctx:ctx + n])], all_logits=all_logits)
+                    int(out[0][-1].argmax())  # the step's own use of its logits (and a device sync)
+                    if rnd:
+                        times[(is_draft, n)].append(time.perf_counter() - t0)
+        # Each cost is its fastest round. Interference from other work on the machine only ever slows a
+        # pass down, so the minimum is the steadiest estimate of a pass's own cost (medians of per-round
+        # ratios still moved the draft/verify ratio by 0.26-0.41 between calibrations).
+        for (is_draft, n), ts in times.items():
+            if ts:
+                if is_draft:
+                    costs.add_draft(ctx, min(ts), n)
+                else:
+                    costs.add(ctx, n, min(ts))
+    costs.other_cpu_share = other_cpu_share(cpu0, _cpu_times())
+    return costs
+
+
+def batch_size(runner) -> int:
+    """How many requests the runner's cache holds at once (the largest batch a step can have)."""
+    kv = getattr(runner, "kv_cache", None)
+    for name in ("num_slots", "max_num_seqs"):
+        n = getattr(kv, name, None) or getattr(runner, name, None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return 1
