@@ -52,7 +52,7 @@ class SpeculativeConfig:
     # only decides whether the draft model runs at all). 0: off.
     draft_confidence: float = 0.0
     # Choose k per request (k may drop to 0) from acceptance measured online and the costs of verify passes and
-    # draft steps, timed when the engine starts (speculative/adaptive.py).
+    # draft steps, timed when the engine starts (speculative/adaptive/).
     adaptive: bool = False
     # Draft model only: score just N frequent tokens in the draft's LM head, plus special tokens and the tokens
     # of each request's own context (speculative/draft_vocab.py). Frequent means the first N of token_map, else of
