@@ -297,7 +297,7 @@ class EngineConfig:
     max_waiting_requests: int = 256
     compile: bool = False  # torch.compile the decode / verification layers where they run in Python
     enable_prefix_caching: bool = True
-    max_num_batched_tokens: int | None = None  # None: engine.llm_engine.DEFAULT_BATCHED_TOKENS
+    max_num_batched_tokens: int | None = None  # None: engine.scheduler.DEFAULT_BATCHED_TOKENS
     kv_cache_memory: float | None = None  # GiB; None: room for max_num_seqs x max_model_len
     kv_cache_dtype: str = "auto"  # vLLM's name: "auto" (16-bit on CPU, the model dtype elsewhere), float16, bfloat16, float32
     speculative: SpeculativeConfig | None = None

@@ -59,7 +59,7 @@ class LLM:
             if len(params) != len(items):
                 raise ValueError(f"Got {len(items)} prompts but {len(params)} SamplingParams; pass one, or one per prompt.")
         # Encode everything first so a bad prompt fails before any work is queued.
-        encoded = [self.engine.encode_prompt(text, ids, suffix, p.truncate_prompt_tokens)
+        encoded = [self.engine.input_processor.encode_prompt(text, ids, suffix, p.truncate_prompt_tokens)
                    for (text, ids, suffix), p in zip(items, params)]
         return self._run([(t, e, p) for (t, _, _), e, p in zip(items, encoded, params)], use_tqdm)
 

@@ -273,7 +273,7 @@ def test_a_copy_opened_by_the_draft_model_stays_exact(plain, llm_cache, tiny_mod
     def lookup(tokens, k, lo, hi):
         calls[0] += 1
         for p, out in zip(PROMPTS, want):
-            ids = eng.encode_prompt(p)
+            ids = eng.input_processor.encode_prompt(p)
             n = len(tokens) - len(ids)
             if n >= 0 and tokens[:len(ids)] == ids and tokens[len(ids):] == out[:n]:
                 if any(r.all_token_ids == tokens for r in eng.scheduler.running):
@@ -381,7 +381,7 @@ def test_deeper_lookups_than_the_draft_model_keep_greedy_exact(plain, llm_cache,
         caps.append(k)
         calls[0] += 1
         for p, out in zip(PROMPTS, want):
-            ids = llm.engine.encode_prompt(p)
+            ids = llm.engine.input_processor.encode_prompt(p)
             if tokens[:len(ids)] == ids and tokens[len(ids):] == out[:len(tokens) - len(ids)]:
                 found = out[len(tokens) - len(ids):][:k]
                 if calls[0] % 3 == 0 and len(found) > 3:

@@ -76,7 +76,7 @@ def pair():
 
 def test_default_pair_fills_the_middle_exactly_under_speculation(pair):
     llm, spec, plain = pair
-    tok, fim = llm.engine.tokenizer, llm.engine.fim_tokens
+    tok, fim = llm.engine.tokenizer, llm.engine.input_processor.fim_tokens
     assert fim == FimTokens(*(tok.convert_tokens_to_ids(t) for t in ("<|fim_prefix|>", "<|fim_suffix|>",
                                                                      "<|fim_middle|>")))
     for (pre, suf), s, p in zip(CASES, spec, plain):

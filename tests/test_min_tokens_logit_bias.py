@@ -400,7 +400,7 @@ def test_allowed_token_ids_and_bad_words_are_exact_under_speculation(plain_greed
     runs = {}
     for spec in SPEC:
         llm = engines(sharp_target, spec)
-        seqs = llm.engine.bad_words_ids([word])
+        seqs = llm.engine.input_processor.bad_words_ids([word])
         assert [plain_greedy[2]] in seqs or any(s[-1] == plain_greedy[2] for s in seqs), seqs
         banned, _, _ = _greedy(llm, max_tokens=16, ignore_eos=True, bad_words=[word])
         assert not any(banned[i:i + len(s)] == s for s in seqs for i in range(len(banned))), (spec, banned)

@@ -89,9 +89,8 @@ def _run_unit(params: SamplingParams, seed: int = 0):
     d2 = torch.multinomial(q2[d1], 1, generator=g).squeeze(1)
     target = torch.stack([p1.expand(N_UNIT, V), p2[d1], p3.expand(N_UNIT, V)], dim=1)  # [N, 3, V]
     draft = torch.stack([q1.expand(N_UNIT, V), q2[d1]], dim=1)                        # [N, 2, V]
-    torch.manual_seed(DRAW_SEED + seed + 1)  # generators=None: the sampler draws from the global generator
-    res = rejection_sample(target, torch.stack([d1, d2], 1), [2] * N_UNIT, draft, [False] * N_UNIT,
-                           [None] * N_UNIT)
+    torch.manual_seed(DRAW_SEED + seed + 1)  # the sampler draws from the global generator
+    res = rejection_sample(target, torch.stack([d1, d2], 1), [2] * N_UNIT, draft, [False] * N_UNIT)
     return (p1, p2, p3, q1, q2), d1, res
 
 
@@ -152,14 +151,14 @@ def test_one_hot_drafts_follow_target():
                      torch.randint(0, V, (N_UNIT,), generator=g))
     target = torch.stack([p1.expand(N_UNIT, V), p2[d1]], dim=1)
     torch.manual_seed(5)
-    res = rejection_sample(target, d1[:, None], [1] * N_UNIT, None, [False] * N_UNIT, [None] * N_UNIT)
+    res = rejection_sample(target, d1[:, None], [1] * N_UNIT, None, [False] * N_UNIT)
     assert chi2_pvalue(_first_token_counts(res), p1.numpy()) > ALPHA
 
 
 def test_greedy_and_random_rows_in_one_batch():
     """One call mixes greedy rows (accept while draft == argmax, then emit the argmax) and random rows with
-    fewer drafts (num_drafts 1 < K = 2); the random rows still follow the target, and per-request
-    generators make them independent of the batch they are in."""
+    fewer drafts (num_drafts 1 < K = 2); the random rows still follow the target, and the same draws give the
+    same tokens in another batch and in the engine's form of the rows."""
     params = SamplingParams(temperature=1.0)
     p1, p2, p3, q1, q2 = _tables(params, seed=7)
     a1 = int(p1.argmax())
@@ -174,24 +173,25 @@ def test_greedy_and_random_rows_in_one_batch():
                         torch.stack([p1.expand(R, V), p2[d1], torch.zeros(R, V)], dim=1)])
     draft_tok = torch.cat([torch.tensor([[a1, 3], [wrong, 3]]), torch.stack([d1, torch.zeros_like(d1)], 1)])
     draft_probs = torch.cat([torch.zeros(2, 2, V), torch.stack([q1.expand(R, V), torch.zeros(R, V)], dim=1)])
-    gens = [None, None] + [torch.Generator().manual_seed(1000 + i) for i in range(R)]
-    res = rejection_sample(target, draft_tok, [2, 2] + [1] * R, draft_probs, [True, True] + [False] * R, gens)
+    torch.manual_seed(1000)
+    res = rejection_sample(target, draft_tok, [2, 2] + [1] * R, draft_probs, [True, True] + [False] * R)
     assert res.tokens[0] == [a1, 3, 5] and res.num_accepted[0] == 2
     assert res.tokens[1] == [a1] and res.num_accepted[1] == 0
     assert all(len(t) == 1 + a and a <= 1 for t, a in zip(res.tokens[2:], res.num_accepted[2:]))
     assert chi2_pvalue(np.bincount([t[0] for t in res.tokens[2:]], minlength=V), p1.numpy()) > ALPHA
-    # Same per-request seeds in a different batch -> the same tokens.
+    # The same draws in a different batch -> the same tokens (greedy rows draw nothing: the random rows here
+    # are the first to draw in both batches).
     sub = slice(2, 9)
-    gens2 = [torch.Generator().manual_seed(1000 + i) for i in range(7)]
-    res2 = rejection_sample(target[sub], draft_tok[sub], [1] * 7, draft_probs[sub], [False] * 7, gens2)
+    torch.manual_seed(1000)
+    res2 = rejection_sample(target[sub], draft_tok[sub], [1] * 7, draft_probs[sub], [False] * 7)
     assert res2.tokens == res.tokens[sub]
     # The engine's form: each request's own rows (n + 1 of them, no padding) and its drafts as a list. Same
-    # generators, same draws: the same tokens for every request.
+    # draws: the same tokens for every request.
     nums = [2, 2] + [1] * R
     rows = [target[i, :n + 1] for i, n in enumerate(nums)]
     drafts = [draft_tok[i, :n].tolist() for i, n in enumerate(nums)]
-    gens3 = [None, None] + [torch.Generator().manual_seed(1000 + i) for i in range(R)]
-    res3 = rejection_sample(rows, drafts, nums, draft_probs, [True, True] + [False] * R, gens3)
+    torch.manual_seed(1000)
+    res3 = rejection_sample(rows, drafts, nums, draft_probs, [True, True] + [False] * R)
     assert res3.tokens == res.tokens and res3.num_accepted == res.num_accepted
 
 

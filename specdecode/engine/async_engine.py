@@ -171,15 +171,11 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
-
     # ---- caller side (event loop) ----
     async def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
                           prompt_token_ids: list[int] | None = None, suffix: str | None = None) -> RequestStream:
         """Queues the request and waits until the engine accepted it. ``suffix``: fill in the middle between
-        the prompt and it (``LLMEngine.encode_prompt``).
+        the prompt and it (``InputProcessor.encode_prompt``).
 
         Raises what ``LLMEngine.add_request`` raises (ValueError for a bad prompt, QueueFullError when the
         waiting queue is full) and EngineDeadError after shutdown."""
@@ -190,11 +186,12 @@ class AsyncLLMEngine:
         if prompt_token_ids is None or suffix or truncate is not None:
             # Tokenizing (megabytes, at worst) happens in a worker thread, never on the engine thread, so one
             # large prompt cannot stall the running streams.
-            prompt_token_ids = await loop.run_in_executor(None, self.engine.encode_prompt, prompt, prompt_token_ids,
-                                                          suffix, truncate)
+            prompt_token_ids = await loop.run_in_executor(None, self.engine.input_processor.encode_prompt, prompt,
+                                                          prompt_token_ids, suffix, truncate)
         predicted = None
         if params.prediction:  # tokenized off the engine thread too
-            predicted = await loop.run_in_executor(None, self.engine.encode_prediction, params.prediction)
+            predicted = await loop.run_in_executor(None, self.engine.input_processor.encode_prediction,
+                                                   params.prediction)
         stream = _Stream(request_id, loop)
         accepted: asyncio.Future = loop.create_future()
         self._submit(("add", stream, prompt, params, prompt_token_ids, accepted, predicted))
@@ -402,7 +399,7 @@ class AsyncLLMEngine:
 
         sched = self.engine.scheduler
         try:
-            sched.take_aborted(lambda r: r.request_id)
+            sched.take_aborted()
         except Exception:
             pass
         for r in list(sched.running) + list(sched.waiting):

@@ -31,8 +31,7 @@ def accept_mask(p_target: torch.Tensor, p_draft: torch.Tensor, u: torch.Tensor) 
 
 def rejection_sample(target_probs: torch.Tensor | Sequence[torch.Tensor],
                      draft_tokens: torch.Tensor | Sequence[Sequence[int]], num_drafts: list[int],
-                     draft_probs: torch.Tensor | None, greedy: list[bool],
-                     generators: list[torch.Generator | None]) -> VerifyResult:
+                     draft_probs: torch.Tensor | None, greedy: list[bool]) -> VerifyResult:
     """target_probs: per request r, its num_drafts[r] + 1 rows after sampling transforms (row j assumes the
     first j drafts were accepted), as a list of [n_r + 1, V] tensors or padded to one [R, K+1, V] tensor; for a
     greedy request, any rows whose argmax is the target's token (a one-hot, or the processed logits themselves);
@@ -56,17 +55,17 @@ def rejection_sample(target_probs: torch.Tensor | Sequence[torch.Tensor],
                 p_t = p[:n].gather(-1, idx).squeeze(-1)
                 p_d = (torch.ones_like(p_t) if draft_probs is None
                        else draft_probs[r, :n].to(p.device).gather(-1, idx).squeeze(-1))
-                # One draw per drafted token from the request's own generator: reproducible in any batch.
-                u = torch.rand(n, generator=generators[r], device=p.device)
+                # One draw per drafted token, from the global generator (a seeded request takes the argmax path)
+                u = torch.rand(n, device=p.device)
                 ok = accept_mask(p_t, p_d, u).tolist()
                 a = next((j for j in range(n) if not ok[j]), n)
             if a < n:
                 q = (draft_probs[r, a].to(p.device) if draft_probs is not None
                      else torch.zeros_like(p[a]).index_fill_(0, torch.tensor(d[a], device=p.device), 1.0))
                 residual = (p[a] - q).clamp_(min=0)
-                final = sample(residual if residual.sum() > 0 else p[a], generators[r])
+                final = sample(residual if residual.sum() > 0 else p[a], None)
             else:
-                final = sample(p[a], generators[r])
+                final = sample(p[a], None)
         tokens.append(d[:a] + [final])
         n_acc.append(a)
     return VerifyResult(tokens, n_acc)
