@@ -19,8 +19,10 @@ class LLM:
     """vLLM's offline entry point: ``LLM(model=..., speculative_config={...} or speculative_model=..., ...)``.
 
     Every keyword in any accepted spelling is listed by ``specdecode options`` (docs/options.md). What is not
-    given comes from the ``fast`` preset (specdecode/presets.py): with no model at all, the embedded default pair
-    (Qwen2.5-Coder 1.5B target, 0.5B draft) with int8 weights and adaptive hybrid speculation."""
+    given comes from the ``fast`` preset (specdecode/presets.py): with no model at all, the built-in pair
+    (Qwen2.5-Coder 1.5B target, 0.5B draft), on CPU with the target's weights ``mixed`` (its 4- and 6-bit GGUF
+    tensors as stored, the rest w8a8) and the draft's ``w4a8``, prompt lookup first and the draft model where
+    nothing matches, k chosen per step from measured acceptance and timed costs (bfloat16 weights on a GPU)."""
 
     def __init__(self, model: str | None = None, **kwargs: Any):
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)

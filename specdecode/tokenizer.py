@@ -10,7 +10,7 @@ from typing import Any, Iterable
 def load_tokenizer(path: Path, is_gguf: bool):
     """A transformers fast tokenizer, from an HF directory or from a GGUF file's metadata (never a hub)."""
     if is_gguf:
-        from specdecode.models.gguf_loader import load_gguf_tokenizer
+        from specdecode.models.gguf_tokenizer import load_gguf_tokenizer
         return load_gguf_tokenizer(path)
     from transformers import AutoTokenizer
     try:
@@ -151,7 +151,7 @@ class SavedTokenizer:
         """transformers' tokenizer for the same files (built on first use, then kept)."""
         with self._hf_lock:
             if self._hf is None:
-                from specdecode.models.gguf_loader import load_saved_hf_tokenizer
+                from specdecode.models.gguf_tokenizer import load_saved_hf_tokenizer
 
                 tok = load_saved_hf_tokenizer(self._folder)
                 tok.name_or_path = self.name_or_path
@@ -168,7 +168,7 @@ def _tokenizer_files(path: Path, is_gguf: bool) -> list[Path] | None:
     """The files a model's tokenizer vocabulary is read from (for a GGUF file, what its cached conversion
     saved), or None where they are not at hand."""
     if is_gguf:
-        from specdecode.models.gguf_loader import cached_tokenizer_json
+        from specdecode.models.gguf_tokenizer import cached_tokenizer_json
         f = cached_tokenizer_json(path)
         return [f] if f is not None else None
     files = [Path(path) / "tokenizer.json", Path(path) / "tokenizer_config.json"]

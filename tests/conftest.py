@@ -1,11 +1,45 @@
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from specdecode.models.default_models import DEFAULT_MODELS, cache_dir  # noqa: E402
 from tiny import FAMILIES, build_model  # noqa: E402
+
+USER_CACHE = cache_dir()
+
+
+def _session_cache(user: Path) -> Path:
+    """A temporary $SPECDECODE_CACHE for the whole session, set before anything loads and inherited by the
+    commands the tests start: the packed entries, tokenizers and calibrations the tests make go there, never into
+    the user's cache. The default pair is the exception: its GGUF files are links to the user's cache, where they
+    are assembled once as ``specdecode generate`` would, and the user's packed entries and tokenizers of that pair
+    are linked in so that a session reads them instead of converting the pair again."""
+    session = Path(tempfile.mkdtemp(prefix="specdecode-tests-"))
+    atexit.register(shutil.rmtree, session, ignore_errors=True)
+    for spec in DEFAULT_MODELS.values():
+        (session / spec.filename).symlink_to(user / spec.filename)
+        stem = spec.filename.removesuffix(".gguf")
+        for sub, pattern in (("packed", f"{stem}.*.spk"), ("tokenizers", f"{stem}.*")):
+            (session / sub).mkdir(exist_ok=True)
+            for found in (user / sub).glob(pattern):
+                (session / sub / found.name).symlink_to(found)
+    return session
+
+
+SESSION_CACHE = _session_cache(USER_CACHE)
+os.environ["SPECDECODE_CACHE"] = str(SESSION_CACHE)
+
+
+@pytest.fixture(scope="session")
+def user_cache() -> Path:
+    """The user's cache folder (their $SPECDECODE_CACHE, else ~/.cache/specdecode), which the session does not use."""
+    return USER_CACHE
 
 
 @pytest.fixture(scope="session")

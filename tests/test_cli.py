@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -175,24 +174,39 @@ def test_chat_through_stdin(tiny_models):
     assert p.stdout.strip()
 
 
-def test_chat_ctrl_c_aborts_only_the_reply(tiny_models):
-    proc = subprocess.Popen([sys.executable, "-m", "specdecode", "chat", "-m", str(tiny_models["llama"]),
-                             "-md", "none", "-n", "100000", "--ignore-eos", "--max-model-len", "1000", "-t", "1"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
-                            env=_env())
-    try:
-        proc.stdin.write(b"tell me a long story\n")
-        proc.stdin.flush()
-        first = proc.stdout.read(1)  # the reply has started streaming
-        assert first
-        time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)
-        proc.stdin.write(b"/exit\n")
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    err = err.decode()
+def test_chat_ctrl_c_aborts_only_the_reply(tiny_models, tmp_path):
+    """Ctrl-C lands while the reply is provably still being written: stdout is a pipe of one page that the test
+    does not drain, and the reply (up to 60000 tokens, EOS ignored) is far longer, so the command cannot finish it
+    before the test reads the rest; no clock decides which comes first."""
+    import fcntl
+    import select
+
+    r, w = os.pipe()
+    if hasattr(fcntl, "F_SETPIPE_SZ"):  # Linux; elsewhere the default pipe (16-64 KiB) is still far shorter
+        fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 4096)
+    with open(tmp_path / "stderr", "w+b") as errf:
+        proc = subprocess.Popen([sys.executable, "-m", "specdecode", "chat", "-m", str(tiny_models["llama"]),
+                                 "-md", "none", "-n", "100000", "--ignore-eos", "--max-model-len", "60000",
+                                 "-t", "1"], stdin=subprocess.PIPE, stdout=w, stderr=errf, cwd=ROOT,
+                                env=dict(_env(), SPECDECODE_ALLOW_LONG_MAX_MODEL_LEN="1"))
+        os.close(w)
+        try:
+            proc.stdin.write(b"tell me a long story\n")
+            proc.stdin.flush()
+            assert os.read(r, 1)  # the reply has started streaming
+            proc.send_signal(signal.SIGINT)
+            proc.stdin.write(b"/exit\n")
+            proc.stdin.close()
+            # Drain the reply so that the command can stop it; a silent minute ends the wait (and the test).
+            while select.select([r], [], [], 60)[0] and os.read(r, 1 << 16):
+                pass
+            proc.wait(timeout=60)
+        finally:
+            os.close(r)
+            if proc.poll() is None:
+                proc.kill()
+        errf.seek(0)
+        err = errf.read().decode()
     assert proc.returncode == 0, err
     assert "interrupted" in err and "Traceback" not in err
 

@@ -273,3 +273,30 @@ def test_resolve_not_found(tmp_path, monkeypatch):
     assert "No model hub is contacted" in msg and ".gguf" in msg
     with pytest.raises(ValueError, match="not found"):
         resolve_model(str(tmp_path / "missing" / "x.gguf"))
+
+
+def test_a_symlinked_model_is_assembled_where_it_points(fake_spec, tmp_path):
+    """A cache folder may hold a link to another cache's file (the test suite's does, to the user's default
+    pair): the file is assembled, locked and marked there, and the linking folder gets nothing but the link."""
+    spec, blob = fake_spec
+    shared, linking = tmp_path / "shared", tmp_path / "linking"
+    shared.mkdir()
+    linking.mkdir()
+    (linking / spec.filename).symlink_to(shared / spec.filename)
+    path = ensure_assembled(spec, linking)
+    assert path == shared / spec.filename and path.read_bytes() == blob
+    assert (shared / f"{spec.filename}.sha256").is_file()
+    assert sorted(p.name for p in linking.iterdir()) == [spec.filename]
+    assert ensure_assembled(spec, linking) == path
+
+
+def test_the_tests_write_nothing_into_the_users_cache_but_the_default_pair(user_cache):
+    """conftest.py points $SPECDECODE_CACHE at a temporary folder for the session: packed entries and the rest
+    go there, while the default pair's GGUF files are links into the user's cache, where `generate` puts them."""
+    from specdecode.models import packed_cache
+
+    session = cache_dir().resolve()
+    assert not session.is_relative_to(user_cache.resolve()) and os.environ["SPECDECODE_CACHE"] == str(cache_dir())
+    assert packed_cache.cache_root().resolve().is_relative_to(session)
+    for spec in dm.DEFAULT_MODELS.values():
+        assert (session / spec.filename).readlink() == user_cache / spec.filename

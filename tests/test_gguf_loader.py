@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from specdecode.models.gguf_loader import _open, load_gguf_tokenizer, read_gguf
+from specdecode.models.gguf_loader import open_gguf, read_gguf
+from specdecode.models.gguf_tokenizer import load_gguf_tokenizer
 
 gguf = pytest.importorskip("gguf")
 
@@ -275,7 +276,7 @@ def slice_gguf(src: Path, dst: Path, layers: int, vocab: int, drop: tuple[str, .
     Quantized rows are self-contained, so the sliced tensors hold exactly the original quantized values, and
     transformers can load the copy in seconds instead of minutes.
     """
-    _, mm, meta, refs = _open(src)
+    _, mm, meta, refs = open_gguf(src)
     arch = meta["general.architecture"]
     w = gguf.GGUFWriter(str(dst), arch)
     for key, val in meta.items():

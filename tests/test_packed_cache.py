@@ -274,7 +274,8 @@ def test_gguf_quantized_embedding_and_tokenizer_cache(tmp_path, cache, monkeypat
     the stored blocks are the dense rows bitwise, so the logits equal those of a dense float32 embedding."""
     from test_gguf_loader import draft_path, slice_gguf
 
-    from specdecode.models.gguf_loader import load_gguf_tokenizer, read_gguf
+    from specdecode.models.gguf_loader import read_gguf
+    from specdecode.models.gguf_tokenizer import load_gguf_tokenizer
 
     src = slice_gguf(draft_path(), tmp_path / "slice.gguf", layers=1, vocab=2048)
     g = read_gguf(src)

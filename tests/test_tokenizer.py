@@ -11,7 +11,7 @@ import pytest
 
 from specdecode.chat_template import render
 from specdecode.models.default_models import default_model_path
-from specdecode.models.gguf_loader import load_gguf_tokenizer
+from specdecode.models.gguf_tokenizer import load_gguf_tokenizer
 from specdecode.tokenizer import SavedTokenizer, apply_chat_template, hf_tokenizer
 
 TEXTS = [

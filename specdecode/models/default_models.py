@@ -77,7 +77,13 @@ def default_model_path(which: str) -> Path:
 
 
 def ensure_assembled(spec: ModelSpec, directory: Path) -> Path:
+    """Path of ``spec``'s verified file in ``directory``, assembled there first if missing or damaged. A symlink
+    there is followed: the file it points to is checked, and assembled if missing, where it points (so one
+    assembled copy can serve several cache folders, as the test suite's does)."""
     final = directory / spec.filename
+    if final.is_symlink():
+        final = final.resolve()
+        directory = final.parent
     if _marker_trusted(spec, final):
         return final
     try:

@@ -88,11 +88,6 @@ def _hf_tensors(path: Path) -> tuple[dict, list[str], Callable[[str], torch.Tens
     return config, list(owner), load
 
 
-def _gguf_tensors(path: Path) -> tuple[dict, list[str], Callable[[str], torch.Tensor]]:
-    g = _open_gguf(path)
-    return g.config, g.tensor_names(), g.load_tensor
-
-
 def _open_gguf(path: Path):
     from specdecode.models.gguf_loader import read_gguf
 
