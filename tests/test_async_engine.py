@@ -61,12 +61,34 @@ def test_add_errors_propagate(engine):
     assert run(final(engine, "after", "x")).finished  # the loop is still alive
 
 
-def test_cancel_aborts_and_frees_slot(engine):
+def test_cancel_aborts_and_frees_slot(engine, monkeypatch):
+    # The engine thread holds its next step until the caller has cancelled, so the cancel always lands while
+    # the request is still running, however fast the machine decodes.
+    import threading
+
+    cancelled = threading.Event()
+    step = engine.engine.step
+
+    def held_step():
+        outs = step()
+        if any(o.request_id == "cancel-me" and not o.finished for o in outs):
+            cancelled.wait(30)
+        return outs
+
+    monkeypatch.setattr(engine.engine, "step", held_step)
+
     async def main():
         params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-        task = asyncio.ensure_future(final(engine, "cancel-me", "hello", params))
-        await asyncio.sleep(0.05)
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in engine.generate("cancel-me", "hello", params):
+                started.set()
+
+        task = asyncio.ensure_future(consume())
+        await started.wait()
         task.cancel()
+        cancelled.set()
         with pytest.raises(asyncio.CancelledError):
             await task
         for _ in range(200):
