@@ -24,8 +24,10 @@ from specdecode.structured.tools import get_tool_parser
 
 
 class OpenAIServingChat(OpenAIServing):
+    """The chat completions route: the rendered prompt, the reply and its tool calls, whole or streamed."""
 
     def sampling_params(self, body: ChatCompletionRequest) -> SamplingParams:
+        # tool_choice required / named constrains the output to the server's tool-call format
         return body.to_sampling_params(self.tool_call_parser)
 
     async def create_chat_completion(self, body: ChatCompletionRequest, request: Request) -> Response:

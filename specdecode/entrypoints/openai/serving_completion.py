@@ -47,6 +47,7 @@ def _extend(lp: CompletionLogprobs, more: CompletionLogprobs) -> None:
 
 
 class OpenAIServingCompletion(OpenAIServing):
+    """The completions route: its prompts, its echo, its response and stream."""
 
     async def create_completion(self, body: CompletionRequest, request: Request) -> Response:
         model, params = await self.prepare(body)

@@ -10,6 +10,7 @@ from specdecode.entrypoints.openai.serving_engine import OpenAIServing
 
 
 class OpenAIServingModels(OpenAIServing):
+    """The model cards of the served names."""
 
     def card(self, name: str) -> ModelCard:
         return ModelCard(id=name, root=self.model_path, max_model_len=self.engine.max_model_len)

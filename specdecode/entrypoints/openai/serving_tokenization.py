@@ -38,6 +38,7 @@ def _validated(model: type[BaseModel], data: dict) -> Any:
 
 
 class OpenAIServingTokenization(OpenAIServing):
+    """/tokenize and /detokenize with the served model's tokenizer."""
 
     def token_ids(self, text: str, add_special_tokens: bool) -> list[int]:
         """With the special tokens, the ids a request with this text feeds the model."""

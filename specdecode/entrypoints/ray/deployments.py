@@ -91,6 +91,7 @@ class MetricsHub:
 
 # ====================================================================== engine replica
 def threads_for(num_cpus: Any) -> int:
+    """The engine threads of a replica that reserves ``num_cpus`` CPUs (whole ones, at least 1)."""
     try:
         return max(1, int(math.floor(float(num_cpus))))
     except (TypeError, ValueError):
