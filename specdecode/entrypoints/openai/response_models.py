@@ -47,6 +47,18 @@ class SpecDecodeSummary(_Response):
     acceptance_rate: float = 0.0
 
 
+class _Envelope(_Response):
+    """What a completion, a chat completion and each of their stream chunks carry around their choices (a
+    subclass narrows ``object`` and ``choices``; the fields keep this order)."""
+    id: str
+    object: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[Any]
+    usage: UsageInfo | None = None
+    spec_decode: SpecDecodeSummary | None = None
+
+
 class CompletionLogprobs(_Response):
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -62,14 +74,9 @@ class CompletionChoice(_Response):
     stop_reason: int | str | None = None
 
 
-class CompletionResponse(_Response):
-    id: str
+class CompletionResponse(_Envelope):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-    spec_decode: SpecDecodeSummary | None = None
 
 
 class TopLogprob(_Response):
@@ -100,14 +107,9 @@ class ChatChoice(_Response):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(_Response):
-    id: str
+class ChatCompletionResponse(_Envelope):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChoice]
-    usage: UsageInfo | None = None
-    spec_decode: SpecDecodeSummary | None = None
 
 
 class DeltaMessage(_Response):
@@ -124,24 +126,14 @@ class ChatStreamChoice(_Response):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionChunk(_Response):
-    id: str
+class ChatCompletionChunk(_Envelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-    spec_decode: SpecDecodeSummary | None = None
 
 
-class CompletionChunk(_Response):
-    id: str
+class CompletionChunk(_Envelope):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-    spec_decode: SpecDecodeSummary | None = None
 
 
 class ModelCard(_Response):
