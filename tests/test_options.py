@@ -304,7 +304,7 @@ def test_sglang_engine_defaults_to_128_new_tokens(tiny_models):
 def test_serve_ray_flags(monkeypatch, capsys, tiny_models):
     assert main(["serve", "--num-replicas", "2"]) == 2
     assert "--ray" in capsys.readouterr().err
-    import specdecode.serving.ray as ray_serving
+    import specdecode.entrypoints.ray.serve as ray_serving
 
     seen = {}
     monkeypatch.setattr(ray_serving, "serve_from_args",

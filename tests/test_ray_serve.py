@@ -1,4 +1,4 @@
-"""The Ray Serve scale-out (specdecode.serving.ray), end to end: a local Ray instance, 2 engine replicas of a tiny
+"""The Ray Serve scale-out (specdecode.entrypoints.ray), end to end: a local Ray instance, 2 engine replicas of a tiny
 model with n-gram speculation behind one HTTP port, checked against the single-process server run in this process.
 
 One Ray instance and one deployment serve every check (Ray's start-up is most of the cost); the last test shuts
@@ -23,7 +23,8 @@ with warnings.catch_warnings():  # Ray Serve's pydantic models warn about pydant
     warnings.simplefilter("ignore", DeprecationWarning)
     from ray import serve  # noqa: E402
 
-    from specdecode.serving.ray import REPLICA_HEADER, app_builder, build_app, routing_text, serve_from_args  # noqa: E402,E501
+    from specdecode.entrypoints.ray.serve import (REPLICA_HEADER, app_builder, build_app, routing_text,  # noqa: E402
+                                                  serve_from_args)
 from specdecode.entrypoints.openai.api_server import build_app as build_single_app  # noqa: E402
 from test_server import serve as serve_in_thread  # noqa: E402
 

@@ -174,7 +174,8 @@ def test_history_tool_call_arguments_reach_the_template_as_objects(sharp_target)
     that the template prints the object, not a string inside a string."""
     from types import SimpleNamespace
 
-    from specdecode.entrypoints.openai.api_server import APIError, OpenAIServer
+    from specdecode.entrypoints.openai.errors import APIError
+    from specdecode.entrypoints.openai.serving_engine import OpenAIServing
     from specdecode.entrypoints.openai.protocol import ChatCompletionRequest
     from specdecode.tokenizer import load_tokenizer
 
@@ -182,14 +183,14 @@ def test_history_tool_call_arguments_reach_the_template_as_objects(sharp_target)
     tok.chat_template = TOOL_TEMPLATE
     server = SimpleNamespace(tokenizer=tok)  # chat_prompt renders with the server's tokenizer only
     body = ChatCompletionRequest(messages=HISTORY, add_generation_prompt=False)
-    prompt = OpenAIServer.chat_prompt(server, body)
+    prompt = OpenAIServing.chat_prompt(server, body)
     assert '"arguments": {"city": "Oslo", "days": 1}' in prompt, prompt
     assert '\\"' not in prompt, prompt
     for bad in ("{city: Oslo}", '"Oslo"', "[1, 2]"):
         history = json.loads(json.dumps(HISTORY))
         history[1]["tool_calls"][0]["function"]["arguments"] = bad
         with pytest.raises(APIError) as e:
-            OpenAIServer.chat_prompt(server, ChatCompletionRequest(messages=history))
+            OpenAIServing.chat_prompt(server, ChatCompletionRequest(messages=history))
         assert e.value.status == 400 and e.value.param == "messages.1.tool_calls.0.function.arguments", bad
 
 

@@ -37,7 +37,7 @@ def run(args) -> int:
 
         startup.resume()  # the engines load in Ray's replica processes; this one only drives them
         try:
-            from specdecode.serving.ray import serve_from_args
+            from specdecode.entrypoints.ray.serve import serve_from_args
         except ImportError as e:
             raise CLIError(f"--ray needs Ray Serve ({e}): pip install 'specdecode[ray]'") from None
         try:

@@ -1,4 +1,4 @@
-"""Request and response bodies of the OpenAI-compatible API (pydantic v2).
+"""Request bodies of the OpenAI-compatible API (pydantic v2); the responses are in response_models.py.
 
 Requests accept the OpenAI fields plus vLLM's sampling extensions (top_k, min_p, repetition_penalty,
 stop_token_ids, ignore_eos, ...). A field this server does not implement is rejected with a 400 that names
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import array
 import json
-import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_validator
@@ -55,22 +54,6 @@ class _Request(BaseModel):
     def _valid_unicode(cls, data: Any) -> Any:
         _check_strings(data, "")
         return data
-
-
-class _Response(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-# ---------------------------------------------------------------- errors
-class ErrorInfo(_Response):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorResponse(_Response):
-    error: ErrorInfo
 
 
 # ---------------------------------------------------------------- shared request fields
@@ -465,139 +448,6 @@ class ChatCompletionRequest(_SamplingRequest):
         return params
 
 
-# ---------------------------------------------------------------- responses
-class CompletionTokensDetails(_Response):
-    accepted_prediction_tokens: int = 0
-    rejected_prediction_tokens: int = 0
-
-
-class UsageInfo(_Response):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    completion_tokens_details: CompletionTokensDetails | None = None  # with a prediction
-
-
-class SpecDecodeSummary(_Response):
-    """Per-response speculative-decoding counters: verification passes that carried drafts, drafted tokens,
-    accepted drafted tokens."""
-    drafts: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    acceptance_rate: float = 0.0
-
-
-class CompletionLogprobs(_Response):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(_Response):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class CompletionResponse(_Response):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-    spec_decode: SpecDecodeSummary | None = None
-
-
-class TopLogprob(_Response):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(_Response):
-    content: list[TokenLogprob] | None = None
-
-
-class ChatResponseMessage(_Response):
-    role: str = "assistant"
-    content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-
-
-class ChatChoice(_Response):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(_Response):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo | None = None
-    spec_decode: SpecDecodeSummary | None = None
-
-
-class DeltaMessage(_Response):
-    role: str | None = None
-    content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-
-
-class ChatStreamChoice(_Response):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionChunk(_Response):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-    spec_decode: SpecDecodeSummary | None = None
-
-
-class CompletionChunk(_Response):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-    spec_decode: SpecDecodeSummary | None = None
-
-
-class ModelCard(_Response):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "specdecode"
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(_Response):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
 # ---------------------------------------------------------------- tokenizer endpoints (vLLM's /tokenize, /detokenize)
 class TokenizeCompletionRequest(_Request):
     model: str | None = None
@@ -623,17 +473,6 @@ class TokenizeChatRequest(_Request):
                                      chat_template_kwargs=self.chat_template_kwargs)
 
 
-class TokenizeResponse(_Response):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
-
-
-class DetokenizeResponse(_Response):
-    prompt: str

@@ -1,0 +1,124 @@
+"""``/v1/chat/completions``: messages rendered by the model's chat template, the reply whole or streamed; with
+tools, calls read out of the reply (and, for tool_choice required or named, enforced) by the server's
+tool-call parser."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+
+from specdecode.engine.async_engine import RequestStream
+from specdecode.entrypoints.openai.protocol import ChatCompletionRequest
+from specdecode.entrypoints.openai.response_models import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse,
+                                                           ChatLogprobs, ChatResponseMessage, ChatStreamChoice,
+                                                           DeltaMessage, TokenLogprob, TopLogprob)
+from specdecode.entrypoints.openai.serving_engine import (OpenAIServing, StreamedChoice, chunk_event, spec_of,
+                                                          stop_hold, usage_of)
+from specdecode.outputs import CompletionOutput, RequestOutput
+from specdecode.sampling_params import SamplingParams
+from specdecode.structured.tools import get_tool_parser
+
+
+class OpenAIServingChat(OpenAIServing):
+    """The chat completions route: the rendered prompt, the reply and its tool calls, whole or streamed."""
+
+    def sampling_params(self, body: ChatCompletionRequest) -> SamplingParams:
+        # tool_choice required / named constrains the output to the server's tool-call format
+        return body.to_sampling_params(self.tool_call_parser)
+
+    async def create_chat_completion(self, body: ChatCompletionRequest, request: Request) -> Response:
+        model, params = await self.prepare(body)
+        prompt = await run_in_threadpool(self.chat_prompt, body)  # templating is CPU work: off the event loop
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self.start(rid, [(prompt, None)], params, "messages")
+        return await self.respond(request, streams, body.stream,
+                                  lambda: self._events(rid, model, body, params, streams[0]),
+                                  lambda outs: self._response(rid, model, body, outs[0]))
+
+    def _logprobs(self, c: CompletionOutput, start: int, end: int, top_n: int) -> ChatLogprobs:
+        content = []
+        for t, d in zip(c.token_ids[start:end], (c.logprobs or [])[start:end]):
+            s = self.token_str(t)
+            tops = [TopLogprob(token=self.token_str(k), logprob=v.logprob, bytes=list(self.token_str(k).encode()))
+                    for k, v in sorted(d.items(), key=lambda kv: -kv[1].logprob)[:top_n]]
+            content.append(TokenLogprob(token=s, logprob=d[t].logprob, bytes=list(s.encode()), top_logprobs=tops))
+        return ChatLogprobs(content=content)
+
+    def _response(self, rid: str, model: str, body: ChatCompletionRequest, out: RequestOutput) -> dict:
+        choices = []
+        for c in out.outputs:
+            lp = self._logprobs(c, 0, len(c.token_ids), body.top_logprobs or 0) if body.logprobs else None
+            content, calls, finish = c.text, None, c.finish_reason
+            if body.tool_mode != "none":
+                content, calls = get_tool_parser(self.tool_call_parser, body.max_tool_calls).parse(c.text)
+                calls = calls or None
+                if calls and finish == "stop":
+                    finish = "tool_calls"
+            choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=content, tool_calls=calls),
+                                      logprobs=lp, finish_reason=finish, stop_reason=c.stop_reason))
+        resp = ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage_of([out]),
+                                      spec_decode=spec_of([out]))
+        return resp.model_dump()
+
+    async def _events(self, rid: str, model: str, body: ChatCompletionRequest, params: SamplingParams,
+                      stream: RequestStream) -> AsyncIterator[str]:
+        created = int(time.time())
+        choices = {i: StreamedChoice(i) for i in range(body.n)}
+        hold = stop_hold(params)
+        top_n = body.top_logprobs or 0
+        parsers = {i: get_tool_parser(self.tool_call_parser, body.max_tool_calls) for i in range(body.n)} \
+            if body.tool_mode != "none" else {}
+        called: set[int] = set()
+
+        def chunk(cs: list[ChatStreamChoice], **extra) -> str:
+            return chunk_event(ChatCompletionChunk(id=rid, created=created, model=model, choices=cs, **extra))
+
+        for i in range(body.n):
+            yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+        final = None
+        async for out in stream:
+            if out.finished:
+                final = out
+            cs = []
+            for c in out.outputs:
+                ch = choices[c.index]
+                if ch.done:
+                    continue
+                delta, ntok = ch.delta(c, hold)
+                finished = c.finish_reason is not None
+                if not delta and not finished and (not body.logprobs or ntok == ch.tokens):
+                    continue
+                lp = self._logprobs(c, ch.tokens, ntok, top_n) if body.logprobs else None
+                ch.tokens = ntok
+                ch.done = finished
+                calls = None
+                if c.index in parsers:  # tool calls leave the content and go out as tool_calls deltas
+                    delta, calls = parsers[c.index].stream(delta, finished)
+                    if calls:
+                        called.add(c.index)
+                    elif not delta and not finished and lp is None:
+                        continue  # held back: it may be the start of a call
+                finish = c.finish_reason if finished else None
+                if finish == "stop" and c.index in called:
+                    finish = "tool_calls"
+                cs.append(ChatStreamChoice(index=ch.index,
+                                           delta=DeltaMessage(content=delta or None, tool_calls=calls or None),
+                                           logprobs=lp, finish_reason=finish,
+                                           stop_reason=c.stop_reason if finished else None))
+            if cs:
+                yield chunk(cs)
+        # usage (and the spec-decode summary) goes in a chunk of its own, only when asked for (OpenAI, vLLM)
+        if body.include_usage and final is not None:
+            yield chunk([], usage=usage_of([final]), spec_decode=spec_of([final]))
+
+
+def register(app: FastAPI, **serving_args: Any) -> None:
+    serving = OpenAIServingChat(**serving_args)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await serving.create_chat_completion(body, request)
