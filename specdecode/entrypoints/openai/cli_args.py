@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 from specdecode import options
-from specdecode.entrypoints.cli._shared import float_in, int_at_least
+from specdecode.parsers import float_in, int_at_least
 
 
 DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
@@ -71,10 +71,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "prompt prefix, unless the load is imbalanced) or pow2 (Ray's power of two choices).")
     groups: dict[str, Any] = {"server": g}  # the table's serve-only options join the server flags
     options.add_options(parser, "serve", skip=("model",), groups=groups)
-    groups["speculative"].add_argument(
-        "--speculative-config", default=None, metavar="JSON",
-        help='The speculative options as one JSON object (vLLM form), e.g. \'{"method": "ngram", '
-             '"num_speculative_tokens": 4}\'; instead of the separate speculative flags.')
 
 
 def engine_kwargs_from_args(args: argparse.Namespace, model: str | None) -> dict[str, Any]:
@@ -82,9 +78,6 @@ def engine_kwargs_from_args(args: argparse.Namespace, model: str | None) -> dict
     given are left to the preset (EngineConfig.from_kwargs)."""
     kw: dict[str, Any] = options.kwargs_from_args(args)
     kw["model"] = model
-    sc = options.speculative_config_json(getattr(args, "speculative_config", None))
-    if sc is not None:
-        kw["speculative_config"] = sc
     check_max_model_len(kw)
     return kw
 
