@@ -10,6 +10,9 @@ spellings users bring: vLLM's legacy keywords, SGLang's and llama.cpp's. This on
   ``kwargs_from_args``), with the same names in every subcommand,
 * the option reference, ``specdecode options`` and docs/options.md (``markdown_table``).
 
+The sampling flags (``SAMPLING_FLAGS``, ``add_sampling_flags``) are declared here too, once for every command
+that takes them.
+
 A value of None always means "not given": the preset decides.
 """
 from __future__ import annotations

@@ -547,7 +547,6 @@ def build_app(engine_args: dict, num_replicas: int | str | None = 1, autoscaling
 
     Raises ValueError for engine options the engine would reject (checked here, before anything deploys)."""
     from specdecode.config import EngineConfig
-    from specdecode.engine.async_engine import default_engine_kwargs
 
     kw = {k: _decode(v) for k, v in dict(engine_args or {}).items()}
     opts = {k: kw.pop(k) for k in _SERVING_KEYS if k in kw}  # serve run puts everything in one dict
@@ -567,8 +566,7 @@ def build_app(engine_args: dict, num_replicas: int | str | None = 1, autoscaling
     ray_actor_options.setdefault("num_cpus", 1)
     if kw.get("num_threads") is None:
         kw["num_threads"] = _threads_for(ray_actor_options["num_cpus"])
-    kw = default_engine_kwargs(kw)
-    cfg = EngineConfig.from_kwargs(**dict(kw))  # ValueError now, not a replica crash loop later
+    cfg = EngineConfig.from_kwargs(**kw)  # ValueError now, not a replica crash loop later
 
     if autoscaling_config is None and (not isinstance(num_replicas, int) or num_replicas < 1):
         raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}.")

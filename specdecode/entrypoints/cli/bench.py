@@ -213,7 +213,7 @@ def _verify_cost(args) -> int:
 
 def add_serve_parser(sub) -> None:
     """``specdecode bench serve`` (registered as ``bench-serve``; ``main`` maps ``bench serve`` to it)."""
-    from specdecode.bench.serve import add_arguments
+    from specdecode.bench.serve.cli import add_arguments
 
     p = sub.add_parser("bench-serve", prog="specdecode bench serve", formatter_class=Formatter,
                        help="benchmark a running OpenAI-compatible server (also: specdecode bench serve)",
@@ -234,6 +234,6 @@ def add_serve_parser(sub) -> None:
 
 
 def _run_serve(args) -> int:
-    from specdecode.bench.serve import run_from_args
+    from specdecode.bench.serve.cli import run_from_args
 
     return run_from_args(args)
