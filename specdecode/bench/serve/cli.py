@@ -23,6 +23,11 @@ from specdecode.options import add_sampling_flags, json_object_arg
 from specdecode.parsers import float_in, int_at_least, list_of
 
 
+# Swept in the order given; a rate of inf sends every request at once.
+_CONCURRENCIES = list_of(int_at_least(1), distinct_sorted=False)
+_RATES = list_of(float_in(0.0, math.inf, lo_open=True), distinct_sorted=False)
+
+
 def _endpoint(s: str) -> str:
     import argparse
     key = s.strip().lower().rstrip("/")
@@ -65,10 +70,10 @@ def add_arguments(p) -> None:
                         "characters: a document or code pasted at the start of a chat, the history a prefix cache "
                         "saves every later turn from prefilling again")
     load = p.add_argument_group("load")
-    load.add_argument("--max-concurrency", type=list_of(int_at_least(1), distinct_sorted=False), default=[None], metavar="C[,C...]",
+    load.add_argument("--max-concurrency", type=_CONCURRENCIES, default=[None], metavar="C[,C...]",
                       help="requests (conversations, with --multi-turn) in flight at most; a list runs one "
                            "benchmark per value, e.g. 1,4,16 (default: unlimited)")
-    load.add_argument("--request-rate", type=list_of(float_in(0.0, math.inf, lo_open=True), distinct_sorted=False), default=[math.inf], metavar="R[,R...]",
+    load.add_argument("--request-rate", type=_RATES, default=[math.inf], metavar="R[,R...]",
                       help="Poisson arrivals at R requests/s; inf sends them all at once (default inf); a list "
                            "sweeps")
     load.add_argument("--num-warmups", type=int_at_least(0), default=1, metavar="N",

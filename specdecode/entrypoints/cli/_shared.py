@@ -1,5 +1,6 @@
-"""What the subcommands share: one-line errors, the argparse classes, sampling flags, engine flags (from the
-option table in specdecode/options.py), loading an engine and streaming one request with its statistics."""
+"""What the subcommands share: one-line errors, the argparse classes, the sampling flags, engine keyword
+arguments from the flags (the option table's, added by specdecode.options.add_options), loading an engine and
+streaming one request with its statistics."""
 from __future__ import annotations
 
 import argparse

@@ -18,16 +18,9 @@ DEFAULT_BODY_TIMEOUT = 30.0
 DEFAULT_LIMIT_CONCURRENCY = 1024  # open connections and requests; beyond it uvicorn answers 503 at once
 
 
-def port_number(text: str) -> int:
-    """--port: checked while the flags are parsed, before the models start loading (exiting while a native
-    loader thread runs aborts the process instead of exiting with code 2)."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {text}")
-    return port
+# --port is checked while the flags are parsed, before the models start loading (exiting while a native loader
+# thread runs aborts the process instead of exiting with code 2).
+port_number = int_at_least(0, 65535)
 
 
 # Checked while the flags are parsed, so a server never starts with limits that refuse every request.
