@@ -182,20 +182,6 @@ class SpeculativeConfig:
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
             raise ValueError(f"suffix_decoding_min_token_prob must be a number in [0, 1], got {p!r}.")
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
-        """vLLM's ``speculative_config`` dict as given (aliases resolved; no preset). '[ngram]' as the model means
-        n-gram lookup; with neither a model nor a method, n-gram lookup."""
-        fields_ = speculative_fields(d)
-        model = fields_.get("model")
-        if isinstance(model, str) and model.strip().lower() in NGRAM_MODELS:
-            fields_.pop("model")
-            fields_.setdefault("method", "ngram")
-        fields_.setdefault("method", "draft_model" if fields_.get("model") else "ngram")
-        if fields_["method"] not in ("draft_model", "suffix"):  # suffix decoding may run with a draft model
-            fields_.pop("model", None)
-        return cls(**fields_)
-
 
 def _method_named(method: str | None, model: Any) -> tuple[str | None, bool]:
     """(the method, whether the draft's name gave it): a draft named none/off stands for method "none" and
@@ -211,7 +197,7 @@ def _method_named(method: str | None, model: Any) -> tuple[str | None, bool]:
 
 def speculation_off(config: dict[str, Any]) -> bool:
     """Whether a ``speculative_config`` dict is the off switch: method "none", or a draft named none/off, read
-    as resolve_speculative reads it for LLM() (LLMEngine.set_speculative takes the same switch)."""
+    as ``speculative_config`` reads it."""
     fields_ = speculative_fields(config)
     return _method_named(fields_.get("method"), fields_.get("model"))[0] == "none"
 
@@ -263,6 +249,21 @@ def resolve_speculative(given: dict[str, Any], default_target: bool, from_dict: 
     return SpeculativeConfig(method=method, **spec)
 
 
+def speculative_config(value: SpeculativeConfig | dict[str, Any] | None,
+                       default_target: bool = False) -> SpeculativeConfig | None:
+    """vLLM's ``speculative_config`` -> the SpeculativeConfig (None: no speculation), the same for every entry
+    point: ``LLM(speculative_config=...)``, ``LLMEngine.set_speculative``, and the ``--speculative-config`` flag of
+    generate, chat and serve. A dict's keys may be any accepted spelling; the preset applies unless k is given
+    (``resolve_speculative``); a dict with neither a draft model nor a method is n-gram lookup, as in vLLM.
+    A SpeculativeConfig, or None, is taken as it is. ``default_target``: the target is the built-in one."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError("speculative_config must be a dict such as "
+                         "{'method': 'ngram', 'num_speculative_tokens': 4}.")
+    return resolve_speculative(speculative_fields(value), default_target, from_dict=True)
+
+
 def checkpoint_bytes(model: str | None, role: str) -> float | None:
     """Bytes of a model's weights on disk (inf for the built-in pair, None when not found)."""
     if model is None or str(model).strip() in ("", "default"):
@@ -278,6 +279,12 @@ def checkpoint_bytes(model: str | None, role: str) -> float | None:
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.iterdir()
                if p.is_file() and p.suffix in (".safetensors", ".bin", ".gguf", ".pt", ".pth"))
+
+
+def _quantize_worthy(model: str | None, role: str, preset: presets.Preset) -> bool:
+    """Whether a checkpoint is large enough for the preset's integer formats (preset.quantize_min_bytes)."""
+    size = checkpoint_bytes(model, role)
+    return size is not None and size >= preset.quantize_min_bytes
 
 
 @dataclass
@@ -368,21 +375,29 @@ class EngineConfig:
         on_cpu = self.device == "cpu"
         if self.dtype == "auto" and not on_cpu:
             self.dtype = preset.cuda_dtype
-
-        def big(model: str | None, role: str) -> bool:
-            size = checkpoint_bytes(model, role)
-            return size is not None and size >= preset.quantize_min_bytes
-
         if self.quantization == "auto":
             auto_ok = on_cpu and self.dtype == "auto"
-            self.quantization = preset.target_quantization if auto_ok and big(self.model, "target") else None
+            big = auto_ok and _quantize_worthy(self.model, "target", preset)
+            self.quantization = preset.target_quantization if big else None
         elif self.quantization == "none":
             self.quantization = None
-        spec = self.speculative
-        if spec is not None and spec.quantization == "auto":
-            # A quantized target gets the preset's draft format; otherwise the draft follows the target.
-            big_draft = self.quantization is not None and big(spec.model, "draft")
+        if self.speculative is not None:
+            self._resolve_draft_format(self.speculative, preset)
+
+    def _resolve_draft_format(self, spec: SpeculativeConfig, preset: presets.Preset) -> None:
+        """A draft format "auto" -> concrete: the preset's draft format with a quantized target (self.quantization
+        already resolved) and a draft of at least preset.quantize_min_bytes; otherwise the target's."""
+        if spec.quantization == "auto":
+            big_draft = self.quantization is not None and _quantize_worthy(spec.model, "draft", preset)
             spec.quantization = preset.draft_quantization if big_draft else None
+
+    def speculative_for(self, value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:
+        """What ``speculative_config`` gives for this engine's target, its draft format resolved against the
+        target's as at start-up (``LLMEngine.set_speculative``): the config a fresh engine would get."""
+        spec = speculative_config(value, self.model in (None, "", "default"))
+        if spec is not None and spec is not value:
+            self._resolve_draft_format(spec, presets.DEFAULT)
+        return spec
 
     def draft_quantization(self) -> str | None:
         """The weight format the draft model loads with."""
@@ -398,14 +413,10 @@ class EngineConfig:
         if sc is not None and spec:
             raise ValueError("Pass either speculative_config={...} or the legacy speculative_* keywords, not both.")
         default_target = engine.get("model") in (None, "", "default")
-        if isinstance(sc, SpeculativeConfig):
-            speculative = sc
+        if sc is not None:
+            speculative = speculative_config(sc, default_target)
         else:
-            if sc is not None and not isinstance(sc, dict):
-                raise ValueError("speculative_config must be a dict such as "
-                                 "{'method': 'ngram', 'num_speculative_tokens': 4}.")
-            given = speculative_fields(sc) if sc is not None else spec
-            speculative = resolve_speculative(given, default_target, from_dict=sc is not None)
+            speculative = resolve_speculative(spec, default_target)
         return cls(speculative=speculative, **engine)
 
 

@@ -10,6 +10,9 @@ spellings users bring: vLLM's legacy keywords, SGLang's and llama.cpp's. This on
   ``kwargs_from_args``), with the same names in every subcommand,
 * the option reference, ``specdecode options`` and docs/options.md (``markdown_table``).
 
+The sampling flags (``SAMPLING_FLAGS``, ``add_sampling_flags``) are declared here too, once for every command
+that takes them.
+
 A value of None always means "not given": the preset decides.
 """
 from __future__ import annotations
@@ -20,6 +23,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from specdecode.parsers import choice, float_in, int_at_least, list_of
 from specdecode.structured.tools import tool_parser_names
 
 logger = logging.getLogger("specdecode")
@@ -53,32 +57,6 @@ def parse_method(value: Any) -> str:
 
 
 # ---------------------------------------------------------------- command-line value parsers
-def _int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
-    def parse(s: str) -> int:
-        try:
-            v = int(s)
-        except ValueError:
-            raise ValueError(f"expected an integer, got {s!r}") from None
-        if v < lo or (hi is not None and v > hi):
-            raise ValueError(f"must be an integer {f'{lo}..{hi}' if hi is not None else f'>= {lo}'}, got {s}")
-        return v
-    parse.__name__ = "integer"
-    return parse
-
-
-def _float_in(lo: float, hi: float, hi_open: bool = False) -> Callable[[str], float]:
-    def parse(s: str) -> float:
-        try:
-            v = float(s)
-        except ValueError:
-            raise ValueError(f"expected a number, got {s!r}") from None
-        if v != v or v < lo or v > hi or (hi_open and v == hi):
-            raise ValueError(f"must be in [{lo}, {hi}{')' if hi_open else ']'}, got {s}")
-        return v
-    parse.__name__ = "number"
-    return parse
-
-
 def _draft_vocab(s: str) -> int | str:
     """auto, 0 / none / full (the whole head), or a size >= 256."""
     t = str(s).strip().lower()
@@ -90,16 +68,6 @@ def _draft_vocab(s: str) -> int | str:
     if v is None or v < 256:
         raise ValueError(f"must be auto, 0 (the full head) or >= 256, got {s}")
     return v
-
-
-def _choice(*names: str) -> Callable[[str], str]:
-    def parse(s: str) -> str:
-        t = str(s).strip().lower()
-        if t not in names:
-            raise ValueError(f"invalid choice {s!r} (choose from {', '.join(names)})")
-        return t
-    parse.__name__ = "choice"
-    return parse
 
 
 def _sglang_num_draft_tokens(v: Any) -> Any:
@@ -172,7 +140,7 @@ OPTIONS: tuple[Option, ...] = (
            bench=False, group="model"),
     # ---- speculative decoding
     Option("num_speculative_tokens", "tokens drafted per step, 1..16; giving k fixes it (no --adaptive, no "
-           "--ngram-first unless asked for)", scope="speculative", parse=_int_in(1, MAX_SPEC_TOKENS),
+           "--ngram-first unless asked for)", scope="speculative", parse=int_at_least(1, MAX_SPEC_TOKENS),
            default="adaptive, up to 4 (draft model) or 12 (lookup)",
            kwargs=("num_speculative_tokens", "speculative_num_steps", "speculative_num_draft_tokens"),
            flags=("--num-speculative-tokens", "--speculative-num-steps", "--speculative-num-draft-tokens", "--draft",
@@ -181,7 +149,7 @@ OPTIONS: tuple[Option, ...] = (
                        "--speculative-num-draft-tokens": _sglang_num_draft_tokens},
            metavar="K", sweep=True, group="speculative"),
     Option("num_speculative_tokens_min", "llama.cpp's --draft-min (drop drafts shorter than N): not implemented, "
-           "only 0 and 1 (no minimum) are accepted", scope="check", parse=_int_in(0), default="0",
+           "only 0 and 1 (no minimum) are accepted", scope="check", parse=int_at_least(0), default="0",
            kwargs=("speculative_num_draft_tokens_min",),
            flags=("--draft-min", "--draft-n-min", "--spec-draft-n-min"), metavar="N", bench=False,
            group="speculative"),
@@ -195,24 +163,25 @@ OPTIONS: tuple[Option, ...] = (
            group="speculative"),
     Option("prompt_lookup_num_tokens", "with ngram_first: the most tokens one lookup drafts, 1..16 (lookups cost "
            "no draft pass, so copied spans are verified deeper)", scope="speculative",
-           parse=_int_in(1, MAX_SPEC_TOKENS), sweep_parse=_int_in(0, MAX_SPEC_TOKENS), default="12 (k when k is given)",
+           parse=int_at_least(1, MAX_SPEC_TOKENS), sweep_parse=int_at_least(0, MAX_SPEC_TOKENS),
+           default="12 (k when k is given)",
            kwargs=("prompt_lookup_num_tokens",),
            flags=("--prompt-lookup-num-tokens", "--ngram-draft"), metavar="N", sweep=True, group="speculative"),
     Option("prompt_lookup_max", "prompt lookup: longest context suffix to look up", scope="speculative",
-           parse=_int_in(1), default="4", kwargs=("ngram_prompt_lookup_max",), keys=("ngram_prompt_lookup_max",),
+           parse=int_at_least(1), default="4", kwargs=("ngram_prompt_lookup_max",), keys=("ngram_prompt_lookup_max",),
            flags=("--ngram-prompt-lookup-max", "--prompt-lookup-max", "--ngram-max"), metavar="N",
            group="speculative"),
     Option("prompt_lookup_min", "prompt lookup: shortest context suffix to look up", scope="speculative",
-           parse=_int_in(1), default="1; 3 with ngram_first", kwargs=("ngram_prompt_lookup_min",),
+           parse=int_at_least(1), default="1; 3 with ngram_first", kwargs=("ngram_prompt_lookup_min",),
            keys=("ngram_prompt_lookup_min",),
            flags=("--ngram-prompt-lookup-min", "--prompt-lookup-min", "--ngram-min"), metavar="N",
            group="speculative"),
     Option("draft_p_min", "stop drafting once the draft model's top probability falls below P", scope="speculative",
-           parse=_float_in(0.0, 1.0, hi_open=True), default="0 (off)", kwargs=("speculative_draft_p_min",),
+           parse=float_in(0.0, 1.0, hi_open=True), default="0 (off)", kwargs=("speculative_draft_p_min",),
            flags=("--draft-p-min", "--speculative-draft-p-min", "--spec-draft-p-min"), metavar="P", sweep=True,
            group="speculative"),
     Option("draft_confidence", "stop drafting once the product of the draft model's top probabilities falls "
-           "below C; k is then the cap", scope="speculative", parse=_float_in(0.0, 1.0, hi_open=True),
+           "below C; k is then the cap", scope="speculative", parse=float_in(0.0, 1.0, hi_open=True),
            default="0 (off)", kwargs=("speculative_draft_confidence",),
            flags=("--draft-confidence", "--speculative-draft-confidence"), metavar="C", sweep=True,
            group="speculative"),
@@ -227,67 +196,67 @@ OPTIONS: tuple[Option, ...] = (
            keys=("speculative_token_map",), flags=("--speculative-token-map", "--token-map"), metavar="FILE",
            group="speculative"),
     Option("quantization", "the draft model's weight format (a draft's precision only moves acceptance, never "
-           "the output)", scope="speculative", parse=_choice(*QUANTIZATIONS), choices=QUANTIZATIONS,
+           "the output)", scope="speculative", parse=choice(*QUANTIZATIONS), choices=QUANTIZATIONS,
            default="auto: w4a8 with a quantized target, else the target's",
            kwargs=("speculative_model_quantization",), keys=("speculative_model_quantization",),
            flags=("--speculative-model-quantization", "-qd", "--quantization-draft"), group="speculative"),
     Option("disable_by_batch_size", "turn speculation off while at least N requests run", scope="speculative",
-           parse=_int_in(1), default="never", kwargs=("speculative_disable_by_batch_size",),
+           parse=int_at_least(1), default="never", kwargs=("speculative_disable_by_batch_size",),
            keys=("speculative_disable_by_batch_size",), flags=("--speculative-disable-by-batch-size",),
            metavar="N", bench=False, group="speculative"),
     Option("suffix_decoding_max_tree_depth", "suffix: the longest match (and draft) the suffix index holds",
-           scope="speculative", parse=_int_in(1), default="24", kwargs=("suffix_decoding_max_tree_depth",),
+           scope="speculative", parse=int_at_least(1), default="24", kwargs=("suffix_decoding_max_tree_depth",),
            flags=("--suffix-decoding-max-tree-depth",), metavar="N", bench=False, group="speculative"),
     Option("suffix_decoding_max_cached_requests", "suffix: earlier requests kept in the index (0: only the "
-           "current one)", scope="speculative", parse=_int_in(0), default="10000",
+           "current one)", scope="speculative", parse=int_at_least(0), default="10000",
            kwargs=("suffix_decoding_max_cached_requests",), flags=("--suffix-decoding-max-cached-requests",),
            metavar="N", bench=False, group="speculative"),
     Option("suffix_decoding_max_spec_factor", "suffix: draft at most F x the match length", scope="speculative",
-           parse=_float_in(0.0, 1e6), default="1.0", kwargs=("suffix_decoding_max_spec_factor",),
+           parse=float_in(0.0, 1e6), default="1.0", kwargs=("suffix_decoding_max_spec_factor",),
            flags=("--suffix-decoding-max-spec-factor",), metavar="F", bench=False, group="speculative"),
     Option("suffix_decoding_min_token_prob", "suffix: stop a draft at a token whose estimated probability is "
-           "below P", scope="speculative", parse=_float_in(0.0, 1.0), default="0.1",
+           "below P", scope="speculative", parse=float_in(0.0, 1.0), default="0.1",
            kwargs=("suffix_decoding_min_token_prob",), flags=("--suffix-decoding-min-token-prob",), metavar="P",
            bench=False, group="speculative"),
     # ---- engine
-    Option("quantization", _Q_HELP, parse=_choice(*QUANTIZATIONS), choices=QUANTIZATIONS, default="auto",
+    Option("quantization", _Q_HELP, parse=choice(*QUANTIZATIONS), choices=QUANTIZATIONS, default="auto",
            flags=("--quantization", "-q")),
-    Option("dtype", "float weight dtype (auto: float32 on CPU, bfloat16 on a GPU)", parse=_choice(*DTYPES),
+    Option("dtype", "float weight dtype (auto: float32 on CPU, bfloat16 on a GPU)", parse=choice(*DTYPES),
            choices=DTYPES, default="auto", flags=("--dtype",)),
     Option("kv_cache_dtype", "KV cache dtype: auto (16-bit on CPU, the model's dtype elsewhere), float16, bfloat16 "
            "or float32", default="auto", flags=("--kv-cache-dtype",), bench=False),
-    Option("max_model_len", "context length, prompt + output", parse=_int_in(2),
+    Option("max_model_len", "context length, prompt + output", parse=int_at_least(2),
            default="the model's, at most 4096", kwargs=("context_length",),
            flags=("--max-model-len", "--context-length", "-c", "--ctx-size"), metavar="N"),
-    Option("max_num_seqs", "requests running at once (KV cache slots)", parse=_int_in(1),
+    Option("max_num_seqs", "requests running at once (KV cache slots)", parse=int_at_least(1),
            default="8 (1 for generate and chat)", kwargs=("max_running_requests",),
            flags=("--max-num-seqs", "--max-running-requests", "-np", "--parallel"), metavar="N", bench=False),
     Option("enable_prefix_caching", "reuse the KV blocks of prompt prefixes computed before, across requests "
            "(automatic prefix caching)", default="on", flags=("--enable-prefix-caching",), boolean=True,
            bench=False),
     Option("max_num_batched_tokens", "tokens one engine step computes: the running requests' verification rows, "
-           "then chunks of new prompts up to this budget (chunked prefill)", parse=_int_in(16),
+           "then chunks of new prompts up to this budget (chunked prefill)", parse=int_at_least(16),
            default="256", kwargs=("chunked_prefill_size",),
            flags=("--max-num-batched-tokens", "--chunked-prefill-size", "-b", "--batch-size"), metavar="N",
            bench=False),
     Option("kv_cache_memory", "KV cache budget in GiB, target and draft together (blocks are taken as tokens "
-           "arrive; cached prefixes fill what is free)", parse=_float_in(0.001, 1e6),
+           "arrive; cached prefixes fill what is free)", parse=float_in(0.001, 1e6),
            default="enough for max_num_seqs x max_model_len", flags=("--kv-cache-memory",), metavar="GiB",
            bench=False),
     Option("max_waiting_requests", "waiting-queue limit; beyond it requests are refused (HTTP 503)",
-           parse=_int_in(1), default="256", flags=("--max-waiting-requests",), metavar="N", bench=False),
-    Option("seed", "random seed", parse=_int_in(0, 2 ** 64 - 1), default="0", kwargs=("random_seed",),
+           parse=int_at_least(1), default="256", flags=("--max-waiting-requests",), metavar="N", bench=False),
+    Option("seed", "random seed", parse=int_at_least(0, 2 ** 64 - 1), default="0", kwargs=("random_seed",),
            flags=("--seed", "-s", "--random-seed"), metavar="N"),
     Option("device", "cpu, cuda or cuda:N", default="auto: cuda when available", flags=("--device",),
            bench=False),
-    Option("num_threads", "CPU threads for torch", parse=_int_in(1), default="torch's choice",
+    Option("num_threads", "CPU threads for torch", parse=int_at_least(1), default="torch's choice",
            kwargs=("threads",), flags=("--threads", "-t", "--num-threads"), metavar="N"),
     Option("compile", "torch.compile the decode / verification layers where they run in Python (GPU, or model "
            "families without the fused CPU layer stack)", default="off", flags=("--compile",), boolean=True),
     # ---- server
     Option("tool_call_parser", "serve: how tool calls are read from the model's output into OpenAI tool_calls, "
            "and enforced for tool_choice required / named (vLLM's flag): hermes (`<tool_call>{json}</tool_call>`, "
-           "Qwen2.5 / Qwen3 / Hermes); auto: hermes", scope="server", parse=_choice(*tool_parser_names()),
+           "Qwen2.5 / Qwen3 / Hermes); auto: hermes", scope="server", parse=choice(*tool_parser_names()),
            choices=tool_parser_names(), default="auto", flags=("--tool-call-parser",), group="server"),
 )
 
@@ -416,17 +385,6 @@ def _argtype(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return wrapped
 
 
-def _list_of(parse: Callable[[str], Any]) -> Callable[[str], list]:
-    def parsed(s: str) -> list:
-        parts = [p for p in s.replace(" ", "").split(",") if p]
-        if not parts:
-            raise ValueError(f"expected a comma-separated list, got {s!r}")
-        values = set(parse(p) for p in parts)  # one config per distinct value, smallest first
-        return sorted(values, key=lambda v: (isinstance(v, str), 0 if isinstance(v, str) else v))
-    parsed.__name__ = "list"
-    return parsed
-
-
 def _dest(opt: Option) -> str:
     return f"{opt.scope}.{opt.name}"
 
@@ -440,8 +398,9 @@ GROUP_TITLES = {"model": "models", "speculative": "speculative decoding", "engin
 
 def add_options(parser: argparse.ArgumentParser, command: str, skip: tuple[str, ...] = (),
                 groups: dict[str, Any] | None = None) -> None:
-    """Adds the table's flags to a subcommand's parser. Every default is None (not given: the preset decides);
-    with command='bench', sweepable options take comma-separated lists."""
+    """Adds the table's flags to a subcommand's parser, and --speculative-config (vLLM's JSON form) beside them.
+    Every default is None (not given: the preset decides); with command='bench', sweepable options take
+    comma-separated lists."""
     groups = {} if groups is None else groups
     for opt in OPTIONS:
         if opt.name in skip and opt.scope == "engine" or (command == "bench" and not opt.bench):
@@ -459,7 +418,7 @@ def add_options(parser: argparse.ArgumentParser, command: str, skip: tuple[str, 
             g.add_argument(*flags, dest=_dest(opt), action=argparse.BooleanOptionalAction, default=None,
                            help=_help(opt))
             continue
-        parse = _list_of(opt.sweep_parse or opt.parse) if sweep else opt.parse
+        parse = list_of(opt.sweep_parse or opt.parse) if sweep else opt.parse
         metavar = opt.metavar or ("{" + ",".join(opt.choices) + "}" if opt.choices else opt.name.upper())
         metavar = f"{metavar},{metavar}" if sweep else metavar
         g.add_argument(*flags, dest=_dest(opt), type=_argtype(parse), default=None, metavar=metavar,
@@ -467,10 +426,15 @@ def add_options(parser: argparse.ArgumentParser, command: str, skip: tuple[str, 
         for spelling, fn in opt.transforms.items():
             if spelling.startswith("-"):
                 one = opt.parse
-                conv = ((lambda f, one=one: lambda s: [f(v) for v in _list_of(one)(s)])(fn) if sweep
+                conv = ((lambda f, one=one: lambda s: [f(v) for v in list_of(one)(s)])(fn) if sweep
                         else (lambda f, one=one: lambda s: f(one(s)))(fn))
                 g.add_argument(spelling, dest=_dest(opt), type=_argtype(conv), default=None, metavar=metavar,
                                help=f"the same as {flags[0]} + 1 (SGLang counts the verified token)")
+    if command != "bench":  # bench sweeps the separate flags instead
+        groups["speculative"].add_argument(
+            "--speculative-config", default=None, metavar="JSON",
+            help='the speculative options as one JSON object (vLLM), e.g. \'{"method": "ngram", '
+                 '"num_speculative_tokens": 4}\'; instead of the separate speculative flags')
 
 
 def flag_values(args: argparse.Namespace) -> dict[Option, Any]:
@@ -484,7 +448,8 @@ def flag_values(args: argparse.Namespace) -> dict[Option, Any]:
 
 
 def kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """Engine keyword arguments from the flags given (the preset fills the rest)."""
+    """Engine keyword arguments from the flags given (the preset fills the rest); ValueError for a malformed
+    --speculative-config."""
     kw: dict[str, Any] = {}
     for opt, v in flag_values(args).items():
         if opt.scope == "check":
@@ -495,6 +460,9 @@ def kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
             kw[opt.name] = v
         else:
             kw[opt.kwargs[0]] = v
+    sc = speculative_config_json(getattr(args, "speculative_config", None))
+    if sc is not None:
+        kw["speculative_config"] = sc
     return kw
 
 
@@ -523,6 +491,47 @@ def used_spellings(argv: list[str]) -> dict[str, str]:
             if f in typed or ("--no-" + f[2:]) in typed:
                 out.setdefault(_dest(opt), f)
     return out
+
+
+# ---------------------------------------------------------------- sampling flags
+@dataclass(frozen=True)
+class SamplingFlag:
+    flags: tuple[str, ...]
+    help: str
+    parse: Callable[[str], Any] | None = None  # None: a switch
+    default: Any = None
+    metavar: str | None = None
+
+
+# The sampling flags, declared once: generate and chat take them all; bench (greedy by default, compared with
+# its baseline) and bench serve (sent with every request) take some, with their own defaults and help.
+SAMPLING_FLAGS: dict[str, SamplingFlag] = {
+    "temperature": SamplingFlag(("--temp", "--temperature"), "sampling temperature; 0 = greedy (default 0)",
+                                float_in(0.0), 0.0, "T"),
+    "top_p": SamplingFlag(("--top-p",), "nucleus sampling threshold in (0, 1] (default 1 = off)",
+                          float_in(0.0, 1.0, lo_open=True), 1.0, "P"),
+    "top_k": SamplingFlag(("--top-k",), "keep only the K most likely tokens (default -1 = off)", int_at_least(-1),
+                          -1, "K"),
+    "min_p": SamplingFlag(("--min-p",), "drop tokens below P x the top probability (default 0 = off)",
+                          float_in(0.0, 1.0), 0.0, "P"),
+    "repetition_penalty": SamplingFlag(("--repeat-penalty", "--repetition-penalty"),
+                                       "repetition penalty (default 1 = off)", float_in(0.0, lo_open=True), 1.0, "R"),
+    "ignore_eos": SamplingFlag(("--ignore-eos",), "keep generating past the end-of-sequence token"),
+}
+
+
+def add_sampling_flags(group: Any, names: tuple[str, ...] = tuple(SAMPLING_FLAGS),
+                       defaults: dict[str, Any] | None = None, helps: dict[str, str] | None = None) -> None:
+    """Adds the sampling flags ``names`` (dest: the SamplingParams field) to an argument group; ``defaults`` and
+    ``helps`` replace the table's, per name."""
+    defaults, helps = defaults or {}, helps or {}
+    for name in names:
+        f = SAMPLING_FLAGS[name]
+        if f.parse is None:
+            group.add_argument(*f.flags, dest=name, action="store_true", help=helps.get(name, f.help))
+        else:
+            group.add_argument(*f.flags, dest=name, type=f.parse, default=defaults.get(name, f.default),
+                               metavar=f.metavar, help=helps.get(name, f.help))
 
 
 # ---------------------------------------------------------------- reference

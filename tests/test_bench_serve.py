@@ -11,8 +11,9 @@ import socket
 import httpx
 import pytest
 
-from specdecode.bench.serve import (BenchServeError, ClientConfig, RequestRecord, load_workload, parse_metrics,
-                                    run_from_args, send_request)
+from specdecode.bench.serve.cli import run_from_args
+from specdecode.bench.serve.client import ClientConfig, RequestRecord, parse_metrics, send_request
+from specdecode.bench.serve.workload import BenchServeError, load_workload
 from specdecode.entrypoints.cli import build_parser, main
 from specdecode.entrypoints.openai.api_server import build_app
 from test_server import serve

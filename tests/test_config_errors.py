@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from specdecode import LLM, Engine, SamplingParams
-from specdecode.config import SpeculativeConfig
+from specdecode.config import SpeculativeConfig, speculative_config
 
 from helpers_spec import (GREEDY, PROMPTS, copy_model, edit_config, gen_ids, llm_cache,  # noqa: F401
                           one_thread, other_tokenizer_draft)
@@ -255,7 +255,7 @@ def test_vllm_current_form_method_inferred_from_model(plain_text, llm_cache, tin
     assert gen_ids(llm, PROMPTS, max_tokens=16, **GREEDY) == [plain_text[tuple(p)] for p in PROMPTS]
     assert llm.spec_decode_metrics.num_draft_tokens > 0
     # "[ngram]" as the model means n-gram lookup.
-    cfg = SpeculativeConfig.from_dict({"model": "[ngram]", "num_speculative_tokens": 2})
+    cfg = speculative_config({"model": "[ngram]", "num_speculative_tokens": 2})
     assert (cfg.method, cfg.model) == ("ngram", None)
 
 

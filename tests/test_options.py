@@ -205,6 +205,29 @@ def test_spec_type_none_decodes_plainly(tiny_models, capsys):
     assert (s["n_draft"], s["n_drafts"], s["n_drafted"], s["draft"]) == (0, 0, 0, "none")
 
 
+def test_one_resolver_for_every_speculative_config(tiny_models, tiny_draft):
+    """A speculative_config dict resolves to the same SpeculativeConfig through every entry point: LLM(...),
+    LLMEngine.set_speculative, and the --speculative-config flag of serve and generate (the preset unless k is
+    given)."""
+    from specdecode import LLM
+    from specdecode.engine.llm_engine import LLMEngine
+
+    model, draft = str(tiny_models["llama"]), str(tiny_draft)
+    engine = LLMEngine.from_kwargs(model=model, speculative_model=draft, num_threads=1)
+    dicts = ({"method": "ngram"}, {"method": "ngram", "num_speculative_tokens": 4}, {"method": "none"},
+             {"method": "draft_model", "model": draft}, {"model": draft, "num_speculative_tokens": 3})
+    for d in dicts:
+        flag = ("--speculative-config", json.dumps(d))
+        engine.set_speculative(d)
+        resolved = [LLM(model, speculative_config=d, num_threads=1).config.speculative, engine.config.speculative,
+                    _config("serve", model, *flag).speculative, _config("generate", "-m", model, *flag).speculative]
+        assert all(r == resolved[0] for r in resolved), (d, resolved)
+    assert resolved[0].num_speculative_tokens == 3 and not resolved[0].adaptive
+    engine.set_speculative({"method": "ngram"})
+    spec = engine.config.speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.adaptive) == ("ngram", P.lookup_tokens, True)
+
+
 # ---------------------------------------------------------------- defaults = the preset
 def test_defaults_resolve_to_the_preset():
     import torch

@@ -103,15 +103,15 @@ def test_each_drafted_token_carries_its_evidence_and_learns_its_rate():
 
 
 def test_suffix_config_is_validated():
-    from specdecode.config import SpeculativeConfig
+    from specdecode.config import speculative_config
 
-    cfg = SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": 8})
+    cfg = speculative_config({"method": "suffix", "num_speculative_tokens": 8})
     assert (cfg.method, cfg.suffix_decoding_max_tree_depth, cfg.suffix_decoding_max_cached_requests,
             cfg.suffix_decoding_max_spec_factor, cfg.suffix_decoding_min_token_prob) == ("suffix", 24, 10000, 1.0, 0.1)
     for bad in ({"suffix_decoding_max_tree_depth": 0}, {"suffix_decoding_max_cached_requests": -1},
                 {"suffix_decoding_max_spec_factor": 0}, {"suffix_decoding_min_token_prob": 1.5}):
         with pytest.raises(ValueError, match=next(iter(bad))):
-            SpeculativeConfig.from_dict({"method": "suffix", **bad})
+            speculative_config({"method": "suffix", **bad})
 
 
 @pytest.mark.parametrize("with_draft", [False, True])

@@ -166,7 +166,7 @@ def test_a_config_with_more_than_tokens_falls_back_to_transformers():
 def test_bench_serve_counts_a_chat_prompt_in_tokens(pair):
     """Without a usage block, `bench serve` counts a chat prompt as the rendered template's tokens
     (transformers 5's tokenize=True returns a dict, whose length is its number of keys)."""
-    from specdecode.bench.serve import _count_prompt
+    from specdecode.bench.serve.client import _count_prompt
 
     tok, hf = pair
     messages = CONVERSATIONS[1]

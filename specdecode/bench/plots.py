@@ -1,7 +1,10 @@
-"""PNG charts of a benchmark result (matplotlib, Agg backend: no display needed)."""
+"""PNG charts of a ``bench`` or ``bench serve`` result (matplotlib, Agg backend: no display needed)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
+
+import numpy as np
 
 _COLORS = {"ngram": "tab:orange", "draft": "tab:blue"}
 
@@ -122,3 +125,63 @@ def write_plots(result: dict, out_dir: str | Path) -> list[Path]:
     return [plot_speedup_per_category(result, out / "speedup_per_category.png"),
             plot_acceptance_per_position(result, out / "acceptance_per_position.png"),
             plot_tokens_per_s_vs_k(result, out / "tokens_per_s_vs_k.png")]
+
+
+def write_serve_plot(result: dict, path: Path) -> Path:
+    """A 2x2 PNG: output tokens/s per run, TTFT and ITL CDFs per run, and TTFT per turn (multi-turn) or the
+    E2E latency CDF."""
+    plt = _plt()
+    runs = result["runs"]
+    labels = [f"C={r['max_concurrency'] or 'inf'}" + ("" if r["request_rate"] == "inf" else
+                                                      f", {r['request_rate']:g} req/s") for r in runs]
+    colors = plt.get_cmap("viridis")([0.15 + 0.7 * i / max(1, len(runs) - 1) for i in range(len(runs))])
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    ax = axes[0][0]
+    ys = [r["summary"]["output_throughput"] or 0.0 for r in runs]
+    bars = ax.bar(range(len(runs)), ys, color=colors, width=0.6)
+    for b, y in zip(bars, ys):
+        ax.annotate(f"{y:.1f}", (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom", fontsize=9)
+    ax.set_xlim(-0.8, len(runs) - 0.2)
+    ax.margins(y=0.12)
+    ax.set_xticks(range(len(runs)))
+    ax.set_xticklabels(labels)
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("Output throughput")
+
+    def cdf(ax, key: str, title: str, per_request: Callable[[dict], list[float]]) -> None:
+        for run, label, color in zip(runs, labels, colors):
+            xs = np.sort(np.asarray([x for rec in run["requests"] if rec["success"] for x in per_request(rec)]))
+            if xs.size:
+                ax.plot(xs * 1000.0, np.arange(1, xs.size + 1) / xs.size, label=label, color=color,
+                        drawstyle="steps-post")
+        ax.set_xlabel(f"{key} (ms)")
+        ax.set_ylabel("fraction of samples")
+        ax.set_ylim(0, 1.02)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+
+    cdf(axes[0][1], "TTFT", "Time to first token (CDF)", lambda r: [r["ttft"]] if r["ttft"] is not None else [])
+    cdf(axes[1][0], "ITL", "Inter-token latency (CDF, per chunk)", lambda r: r["itl"])
+    ax = axes[1][1]
+    if any(r["summary"]["multi_turn"] for r in runs):
+        for run, label, color in zip(runs, labels, colors):
+            mt = run["summary"]["multi_turn"]
+            if mt:
+                ts = mt["ttft_by_turn"]
+                ax.plot([t["turn"] for t in ts], [t["median"] for t in ts], marker="o", label=label, color=color)
+        ax.set_xlabel("turn")
+        ax.set_ylabel("median TTFT (ms)")
+        ax.set_title("TTFT per turn (history grows)")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    else:
+        cdf(ax, "E2E latency", "End-to-end latency (CDF)",
+            lambda r: [r["latency"]] if r["latency"] is not None else [])
+    m = result["meta"]
+    fig.suptitle(f"{m.get('label') or m['base_url']}: {m['dataset']}, max_tokens={m['max_tokens']}, "
+                 f"T={m['temperature']}", fontsize=11)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return _save(plt, fig, path)

@@ -43,12 +43,6 @@ class RequestFailedError(RuntimeError):
     """This request failed alone inside the engine (its output has finish_reason "error"); the others go on."""
 
 
-def default_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The keyword arguments as ``LLM`` takes them. Defaults (the ``fast`` preset, with the embedded default pair
-    when no model is given) are filled in by ``EngineConfig.from_kwargs``, the one place that does so."""
-    return dict(kwargs)
-
-
 class _Stream:
     """Engine-thread side of one request: where its outputs go."""
 
@@ -150,8 +144,7 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_kwargs(cls, *, wait: bool = True, **kwargs: Any) -> "AsyncLLMEngine":
-        kw = default_engine_kwargs(kwargs)
-        return cls(lambda: LLMEngine.from_kwargs(**kw), wait=wait)
+        return cls(lambda: LLMEngine.from_kwargs(**kwargs), wait=wait)
 
     # ---- properties the server reads ----
     @property

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode import startup
-from specdecode.config import EngineConfig, SpeculativeConfig, check_draft_compatible, speculation_off
+from specdecode.config import EngineConfig, SpeculativeConfig, check_draft_compatible
 from specdecode.engine.block_pool import BLOCK_SIZE, BlockPool
 from specdecode.engine.input_processor import InputProcessor
 from specdecode.engine.kv_cache import KVCache
@@ -151,7 +151,7 @@ class LLMEngine:
         if self.scheduler.has_unfinished():
             raise RuntimeError("set_speculative() needs an idle engine: running requests hold proposer state.")
         if isinstance(spec, dict):
-            spec = None if speculation_off(spec) else SpeculativeConfig.from_dict(spec)
+            spec = self.config.speculative_for(spec)
         key = repr(spec)
         if key not in self._proposers:
             proposer = build_proposer(spec, self.draft_runner, self.target.vocab_size, self.tokenizer,

@@ -1,5 +1,6 @@
-"""What the subcommands share: one-line errors, the argparse classes, sampling flags, engine flags (from the
-option table in specdecode/options.py), loading an engine and streaming one request with its statistics."""
+"""What the subcommands share: one-line errors, the argparse classes, the sampling flags, engine keyword
+arguments from the flags (the option table's, added by specdecode.options.add_options), loading an engine and
+streaming one request with its statistics."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from specdecode import options
+from specdecode.entrypoints.openai.cli_args import check_max_model_len
+from specdecode.parsers import int_at_least
 
 EXIT_USAGE = 2
 
@@ -73,27 +76,6 @@ OPT_OUTS = ("The defaults are the 'fast' preset: mixed target (a GGUF's Q4_K / Q
 
 
 # ---------------------------------------------------------------- argument types
-def _number(kind, lo, hi=None, lo_open=False):
-    def parse(s: str):
-        try:
-            v = kind(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {s!r}") \
-                from None
-        if v != v or v < lo or (lo_open and v == lo) or (hi is not None and v > hi) or v == float("inf"):
-            rng = (f"{lo}..{hi}" if kind is int else f"{'(' if lo_open else '['}{lo}, {hi}]") if hi is not None \
-                else (f"> {lo}" if lo_open else f">= {lo}")
-            what = ("an integer " if kind is int else "in " if hi is not None  # "in [0, 1]"
-                    else "finite and " if v == float("inf") else "")
-            raise argparse.ArgumentTypeError(f"must be {what}{rng}, got {s}")
-        return v
-    return parse
-
-
-def int_at_least(lo: int, hi: int | None = None):
-    return _number(int, lo, hi)
-
-
 def max_tokens_arg(s: str) -> int | None:
     """-n N: N >= 1 tokens, or -1 for no limit but the context (llama.cpp's spelling)."""
     if s.strip() == "-1":
@@ -101,25 +83,12 @@ def max_tokens_arg(s: str) -> int | None:
     return int_at_least(1)(s)
 
 
-def float_in(lo: float, hi: float | None = None, lo_open: bool = False):
-    return _number(float, lo, hi, lo_open)
-
-
 def add_sampling_flags(p: argparse.ArgumentParser, n_default: int) -> None:
+    """-n and the sampling flags of options.SAMPLING_FLAGS."""
     g = p.add_argument_group("sampling")
     g.add_argument("-n", "--n-predict", "--max-tokens", dest="max_tokens", type=max_tokens_arg, default=n_default,
                    metavar="N", help=f"maximum tokens to generate; -1 = until the context is full (default {n_default})")
-    g.add_argument("--temp", "--temperature", dest="temperature", type=float_in(0.0), default=0.0, metavar="T",
-                   help="sampling temperature; 0 = greedy (default 0)")
-    g.add_argument("--top-p", type=float_in(0.0, 1.0, lo_open=True), default=1.0, metavar="P",
-                   help="nucleus sampling threshold in (0, 1] (default 1 = off)")
-    g.add_argument("--top-k", type=int_at_least(-1), default=-1, metavar="K",
-                   help="keep only the K most likely tokens (default -1 = off)")
-    g.add_argument("--min-p", type=float_in(0.0, 1.0), default=0.0, metavar="P",
-                   help="drop tokens below P x the top probability (default 0 = off)")
-    g.add_argument("--repeat-penalty", "--repetition-penalty", dest="repetition_penalty",
-                   type=float_in(0.0, lo_open=True), default=1.0, metavar="R", help="repetition penalty (default 1 = off)")
-    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    options.add_sampling_flags(g)
 
 
 def sampling_params(args, max_tokens: int | None = None):
@@ -134,17 +103,6 @@ def sampling_params(args, max_tokens: int | None = None):
 def seed_of(args) -> int:
     v = getattr(args, "engine.seed", None)
     return 0 if v is None else v
-
-
-def add_engine_flags(p: argparse.ArgumentParser, command: str) -> None:
-    """The option table's flags, and --speculative-config (vLLM's JSON form) beside them."""
-    groups: dict[str, Any] = {}
-    options.add_options(p, command, groups=groups)
-    if command != "bench":
-        groups["speculative"].add_argument(
-            "--speculative-config", default=None, metavar="JSON",
-            help='the speculative options as one JSON object (vLLM), e.g. \'{"method": "ngram", '
-                 '"num_speculative_tokens": 4}\'; instead of the separate speculative flags')
 
 
 # ---------------------------------------------------------------- paths and engine kwargs
@@ -175,10 +133,6 @@ def engine_kwargs(args, **defaults: Any) -> dict:
         kw["speculative_model"] = resolve_user_path(draft, "draft")
     if kw.get("speculative_token_map"):
         kw["speculative_token_map"] = user_file(kw["speculative_token_map"], "--token-map")
-    sc = options.speculative_config_json(getattr(args, "speculative_config", None))
-    if sc is not None:
-        kw["speculative_config"] = sc
-    from specdecode.entrypoints.openai.cli_args import check_max_model_len
     check_max_model_len(kw)
     return kw
 

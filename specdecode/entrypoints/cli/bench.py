@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 from specdecode import options
-from specdecode.entrypoints.cli._shared import (CLIError, Formatter, add_engine_flags, build_config, float_in,
-                                                int_at_least, resolve_user_path, seed_of, user_file)
+from specdecode.entrypoints.cli._shared import (CLIError, Formatter, build_config, resolve_user_path, seed_of,
+                                                user_file)
+from specdecode.parsers import int_at_least, list_of
 
 _METHODS = {"ngram": "ngram", "draft": "draft", "draft_model": "draft", "hybrid": "hybrid", "none": "none"}
 
@@ -26,13 +27,6 @@ def _methods(s: str) -> list[str]:
         if _METHODS[p] not in out:
             out.append(_METHODS[p])
     return out
-
-
-def _sizes(s: str) -> list[int]:
-    parts = sorted({int_at_least(1, 64)(p) for p in s.replace(" ", "").split(",") if p})
-    if not parts:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {s!r}")
-    return parts
 
 
 def add_parser(sub) -> None:
@@ -67,18 +61,16 @@ def add_parser(sub) -> None:
                     help="speculative methods to compare with the baseline: ngram, draft, hybrid (n-gram lookup "
                          "first, the draft model where nothing matches) (default ngram,draft)")
     bd.add_argument("--k", dest="speculative.num_speculative_tokens",
-                    type=options._argtype(options._list_of(options._int_in(1, options.MAX_SPEC_TOKENS))),
+                    type=list_of(int_at_least(1, options.MAX_SPEC_TOKENS)),
                     default=None, metavar="K,K", help="the same as --num-speculative-tokens (default 2,4)")
     bd.add_argument("--chat-template", choices=["auto", "on", "off"], default="auto",
                     help="wrap prompts in the chat template (default auto: when the model has one)")
     bd.add_argument("--no-warmup", action="store_true", help="skip the excluded warm-up generation")
     bd.add_argument("--no-progress", action="store_true", help="no progress bar")
     bs = b.add_argument_group("sampling (greedy by default)")
-    bs.add_argument("--temp", "--temperature", dest="temperature", type=float_in(0.0), default=0.0, metavar="T",
-                    help="temperature; 0 = greedy (default), where outputs must match the baseline")
-    bs.add_argument("--top-p", type=float_in(0.0, 1.0, lo_open=True), default=1.0, metavar="P")
-    bs.add_argument("--top-k", type=int_at_least(-1), default=-1, metavar="K")
-    bs.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    options.add_sampling_flags(bs, ("temperature", "top_p", "top_k", "ignore_eos"), helps={
+        "temperature": "temperature; 0 = greedy (default), where outputs must match the baseline",
+        "ignore_eos": "always generate --max-tokens tokens"})
     bo = b.add_argument_group("output")
     bo.add_argument("--output-json", default=None, metavar="FILE", help="write every figure and per-prompt run as JSON")
     bo.add_argument("--plot", default=None, metavar="DIR",
@@ -87,12 +79,12 @@ def add_parser(sub) -> None:
     bv.add_argument("--verify-cost", action="store_true",
                     help="instead of the benchmark: time one target forward pass over 1, 2, 4, 8, 16 query "
                          "tokens after a short prefill, relative to 1 token")
-    bv.add_argument("--sizes", type=_sizes, default=None, metavar="N,N",
+    bv.add_argument("--sizes", type=list_of(int_at_least(1, 64)), default=None, metavar="N,N",
                     help="query sizes to time (default 1,2,4,8,16)")
     bv.add_argument("--prefill", type=int_at_least(1), default=None, metavar="N", help="prefill length (default 64)")
     bv.add_argument("--repeats", type=int_at_least(1), default=None, metavar="N",
                     help="timed rounds over all sizes (median; default 10)")
-    add_engine_flags(b, "bench")
+    options.add_options(b, "bench")
     b.set_defaults(func=run)
 
 
@@ -221,7 +213,7 @@ def _verify_cost(args) -> int:
 
 def add_serve_parser(sub) -> None:
     """``specdecode bench serve`` (registered as ``bench-serve``; ``main`` maps ``bench serve`` to it)."""
-    from specdecode.bench.serve import add_arguments
+    from specdecode.bench.serve.cli import add_arguments
 
     p = sub.add_parser("bench-serve", prog="specdecode bench serve", formatter_class=Formatter,
                        help="benchmark a running OpenAI-compatible server (also: specdecode bench serve)",
@@ -242,6 +234,6 @@ def add_serve_parser(sub) -> None:
 
 
 def _run_serve(args) -> int:
-    from specdecode.bench.serve import run_from_args
+    from specdecode.bench.serve.cli import run_from_args
 
     return run_from_args(args)

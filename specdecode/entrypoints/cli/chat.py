@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import sys
 
-from specdecode.entrypoints.cli._shared import (OPT_OUTS, CLIError, Formatter, Interrupt, add_engine_flags,
-                                                add_sampling_flags, describe, engine_kwargs, fmt, load_engine,
-                                                sampling_params, stats, stream)
+from specdecode import options
+from specdecode.entrypoints.cli._shared import (OPT_OUTS, CLIError, Formatter, Interrupt, add_sampling_flags,
+                                                describe, engine_kwargs, fmt, load_engine, sampling_params, stats,
+                                                stream)
 
 HELP = "Commands: /exit (or Ctrl-D) quits, /reset clears the history, /help shows this"
 
@@ -19,7 +20,7 @@ def add_parser(sub) -> None:
     c.add_argument("--system", default=None, metavar="TEXT", help="system message")
     c.add_argument("--raw", "-no-cnv", "--no-conversation", dest="raw", action="store_true",
                    help="plain completion of each line, without the chat template or history")
-    add_engine_flags(c, "chat")
+    options.add_options(c, "chat")
     add_sampling_flags(c, 512)
     c.set_defaults(func=run)
 

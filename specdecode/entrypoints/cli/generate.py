@@ -5,9 +5,9 @@ import json
 import sys
 from pathlib import Path
 
-from specdecode.entrypoints.cli._shared import (OPT_OUTS, CLIError, Formatter, add_engine_flags, add_sampling_flags,
-                                                engine_kwargs, format_stats, load_engine, sampling_params, stats,
-                                                stream)
+from specdecode import options
+from specdecode.entrypoints.cli._shared import (OPT_OUTS, CLIError, Formatter, add_sampling_flags, engine_kwargs,
+                                                format_stats, load_engine, sampling_params, stats, stream)
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
 
@@ -53,7 +53,7 @@ def add_parser(sub) -> None:
     gx.add_argument("--grammar", "--grammar-file", dest="grammar", metavar="FILE", default=None,
                     help="constrain the output to the grammar in FILE (GBNF / EBNF as llama.cpp writes it; "
                          "inline text with '::=' is taken as the grammar itself)")
-    add_engine_flags(g, "generate")
+    options.add_options(g, "generate")
     add_sampling_flags(g, 128)
     g.set_defaults(func=run)
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from specdecode.entrypoints.cli._shared import CLIError, Formatter, int_at_least, resolve_user_path
+from specdecode.entrypoints.cli._shared import CLIError, Formatter, resolve_user_path
+from specdecode.parsers import int_at_least
 
 
 def add_parser(sub) -> None:

@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 from specdecode import options
-from specdecode.entrypoints.cli._shared import float_in, int_at_least
+from specdecode.parsers import float_in, int_at_least
 
 
 DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
@@ -18,16 +18,9 @@ DEFAULT_BODY_TIMEOUT = 30.0
 DEFAULT_LIMIT_CONCURRENCY = 1024  # open connections and requests; beyond it uvicorn answers 503 at once
 
 
-def port_number(text: str) -> int:
-    """--port: checked while the flags are parsed, before the models start loading (exiting while a native
-    loader thread runs aborts the process instead of exiting with code 2)."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {text}")
-    return port
+# --port is checked while the flags are parsed, before the models start loading (exiting while a native loader
+# thread runs aborts the process instead of exiting with code 2).
+port_number = int_at_least(0, 65535)
 
 
 # Checked while the flags are parsed, so a server never starts with limits that refuse every request.
@@ -71,10 +64,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "prompt prefix, unless the load is imbalanced) or pow2 (Ray's power of two choices).")
     groups: dict[str, Any] = {"server": g}  # the table's serve-only options join the server flags
     options.add_options(parser, "serve", skip=("model",), groups=groups)
-    groups["speculative"].add_argument(
-        "--speculative-config", default=None, metavar="JSON",
-        help='The speculative options as one JSON object (vLLM form), e.g. \'{"method": "ngram", '
-             '"num_speculative_tokens": 4}\'; instead of the separate speculative flags.')
 
 
 def engine_kwargs_from_args(args: argparse.Namespace, model: str | None) -> dict[str, Any]:
@@ -82,9 +71,6 @@ def engine_kwargs_from_args(args: argparse.Namespace, model: str | None) -> dict
     given are left to the preset (EngineConfig.from_kwargs)."""
     kw: dict[str, Any] = options.kwargs_from_args(args)
     kw["model"] = model
-    sc = options.speculative_config_json(getattr(args, "speculative_config", None))
-    if sc is not None:
-        kw["speculative_config"] = sc
     check_max_model_len(kw)
     return kw
 
