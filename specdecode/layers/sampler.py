@@ -4,11 +4,14 @@ Everything is row-wise, so a row's result never depends on the other rows in the
 """
 from __future__ import annotations
 
-from typing import Callable, Collection, Sequence
+from typing import TYPE_CHECKING, Callable, Collection, Sequence
 
 import torch
 
 from specdecode.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from specdecode.outputs import Logprob
 
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
@@ -96,7 +99,7 @@ def request_logits(rows: torch.Tensor, p: SamplingParams, output: list[int], dra
     plain decoding could not produce at its position gets probability 0 and is rejected). vLLM's order:
     allowed_token_ids and bad_words, logit_bias, min_tokens, penalties; then the grammar's mask. A grammar
     outranks min_tokens: where it allows nothing but stopping, the request stops (rather than having no token
-    to sample). ``bad_words_ids``: the token sequences of p.bad_words (``LLMEngine.bad_words_ids``)."""
+    to sample). ``bad_words_ids``: the token sequences of p.bad_words (``InputProcessor.bad_words_ids``)."""
     # each row's history, where bad words or penalties read it
     history = ([output + list(drafts[:j]) for j in range(rows.shape[0])]
                if p.has_penalties or bad_words_ids else None)
@@ -283,7 +286,7 @@ class PositionNoise:
 
 
 def logprobs_of(logits: torch.Tensor, tokens: Sequence[int], top_n: int,
-                decode: Callable[[int], str] | None = None) -> list[dict[int, "Logprob"]]:
+                decode: Callable[[int], str] | None = None) -> list[dict[int, Logprob]]:
     """Per row of logits [N, V]: the Logprob (log probability, rank, text) of the row's token ``tokens[i]`` and
     of the row's ``top_n`` most likely tokens, as vLLM reports them."""
     from specdecode.outputs import Logprob

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from specdecode import options
-from specdecode.entrypoints.openai.cli_args import check_max_model_len
+from specdecode.models.context import check_max_model_len
 from specdecode.parsers import int_at_least
 
 EXIT_USAGE = 2

@@ -17,8 +17,8 @@ if __name__ == "__main__":
     # under its own name.
     import sys
 
-    from specdecode.entrypoints.openai.cli_args import module_main
-    sys.exit(module_main())
+    from specdecode.entrypoints.cli import main
+    sys.exit(main(["serve", *sys.argv[1:]]))
 
 import argparse
 import asyncio
@@ -260,6 +260,7 @@ def run_server(args: argparse.Namespace, model: str | None, engine: AsyncLLMEngi
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m specdecode.entrypoints.openai.api_server``: see cli_args.module_main."""
-    from specdecode.entrypoints.openai.cli_args import module_main
-    sys.exit(module_main(argv))
+    """``python -m specdecode.entrypoints.openai.api_server [MODEL] [flags]``, vLLM's older spelling: the same
+    command as ``specdecode serve``, with its flags, start-up and one-line errors."""
+    from specdecode.entrypoints.cli import main as cli_main
+    sys.exit(cli_main(["serve", *(sys.argv[1:] if argv is None else argv)]))
