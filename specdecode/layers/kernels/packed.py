@@ -17,9 +17,10 @@ class PackedLinear:
 
     ``weight`` is ``[N, Kp]`` (Kp = K rounded up to a multiple of 8, zero padded) of dtype float32,
     bfloat16 or int8 depending on ``fmt``; for w8a8 it is uint8 ``[ceil(N / 16), Kp * 16]`` in the
-    interleaved layout (``_interleave``), for w4a8 uint8 ``[ceil(N / 16), Kp * 8]`` (``_w4_layout``). ``scale`` is
-    float32 ``[N]`` for int8 and w8a8; for w4a8 uint8 ``[ceil(N / 16), _w4_scale_bytes(Kp)]``, each group's
-    block codes and then its fp16 units (``_w4_layout``); else None.
+    interleaved layout (``int8._interleave``), for w4a8 uint8 ``[ceil(N / 16), Kp * 8]`` (``q4._w4_layout``), for
+    w6a8 uint8 ``[ceil(N / 16), Kp * 12]`` (``q6.w6_layout``). ``scale`` is float32 ``[N]`` for int8 and w8a8; for
+    w4a8 uint8 ``[ceil(N / 16), _w4_scale_bytes(Kp)]``, each group's block codes and then its fp16 units (and for
+    w6a8 likewise, ``_w6_scale_bytes(Kp)``); else None.
     A plain object (not an nn.Module) so that it never shows up in a model's state_dict.
     """
 

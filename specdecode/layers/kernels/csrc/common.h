@@ -7,7 +7,6 @@
 // each other only, as one file's anonymous namespace kept them, and the module exports PyInit alone.
 #pragma once
 
-// module talks to Python through the C API and receives raw pointers validated by kernels.py.
 #include <Python.h>
 #include <ATen/Parallel.h>
 

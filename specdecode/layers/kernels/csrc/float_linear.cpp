@@ -1,4 +1,4 @@
-// Row-invariant CPU linear kernel for specdecode.
+// The row-invariant linear of the float-activation formats: fp32, bf16 and int8 weights.
 //
 // y[m, n] = (sum_k x[m, k] * w[n, k]) * scale[n] + bias[n]
 //

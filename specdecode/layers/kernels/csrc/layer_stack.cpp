@@ -5,7 +5,7 @@
 // step outside the matmuls). Same math as models/model.py's Block, not bitwise the same values: decode
 // and verification rows always take this path (prefill never does), so greedy exactness rests on it
 // being row-invariant, which it is: every row's norm, rotary, attention and activation is computed from
-// that row alone in a fixed order, and the linears are the row-invariant kernels above.
+// that row alone in a fixed order, and the linears are the row-invariant kernels (linear.h).
 // =============================================================================================
 #include "fast_exp.h"
 #include "layer_stack.h"

@@ -42,7 +42,7 @@ void linear(const Lin& l, const float* x, int64_t ldx, int64_t M, float* y, int6
 }
 
 // linear(fmt, x_ptr, ldx, w_ptr, ldw, K, scale_ptr, bias_ptr, y_ptr, ldy, M, N): every pointer is the address
-// of a CPU tensor that kernels.py checked and keeps alive (scale_ptr / bias_ptr may be 0). GIL released.
+// of a CPU tensor that kernels.rowinv_linear checked and keeps alive (scale_ptr / bias_ptr may be 0). GIL released.
 PyObject* py_linear(PyObject*, PyObject* args) {
   long long fmt, xp, ldx, wp, ldw, K, sp, bp, yp, ldy, M, N;
   if (!PyArg_ParseTuple(args, "LLLLLLLLLLLL", &fmt, &xp, &ldx, &wp, &ldw, &K, &sp, &bp, &yp, &ldy, &M, &N))

@@ -167,7 +167,7 @@ static inline SPECDECODE_ALWAYS_INLINE __m512i dpbusd_broadcast(__m512i acc, __m
 #endif
 
 // ---------------------------------------------------------------------------------------------
-// AMX (Sapphire Rapids and later): the same integers from tile instructions (w8a8 here; w4a8 below).
+// AMX (Sapphire Rapids and later): the same integers from tile instructions (w8a8.cpp, w4a8.cpp).
 // Group g, block b of the interleaved weights (8 quads x 64 bytes, contiguous) is exactly a B tile of 8 rows
 // x 64 bytes, and rows m0.. of the quantized activations at block b are an A tile of R rows x 32 bytes
 // (stride Kp).

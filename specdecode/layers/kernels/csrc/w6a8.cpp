@@ -171,7 +171,7 @@ static inline void w6a8_group(const W6Args& a, int64_t m0, int64_t g) {
 #pragma GCC unroll 2
           for (int c = 0; c < H; ++c) {
             s[r][c] = _mm256_add_epi16(s[r][c], _mm256_maddubs_epi16(w[c], q));
-            __asm__("" : "+x"(s[r][c]));  // see w4a8_group
+            __asm__("" : "+x"(s[r][c]));  // see w4a8_group (w4a8.cpp)
           }
         }
       }

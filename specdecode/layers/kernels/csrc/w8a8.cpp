@@ -142,7 +142,7 @@ static inline void w8a8_group(const W8Args& a, int64_t m0, int64_t g) {
           // |q| * (sign(q) * w): byte pairs stay within int16 because |q|, |w| <= 127.
           const __m256i p = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(wv[h], q));
           t[r][h] = _mm256_add_epi32(t[r][h], _mm256_madd_epi16(p, ones));
-          __asm__("" : "+x"(t[r][h]));  // see w4a8_group: keeps GCC from hoisting every product and spilling
+          __asm__("" : "+x"(t[r][h]));  // see w4a8_group (w4a8.cpp): keeps GCC from hoisting every product and spilling
         }
       }
     }
