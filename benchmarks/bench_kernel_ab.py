@@ -1,6 +1,6 @@
 """The C++ kernels of another revision against the working tree's, on one loaded engine, alternated per prompt.
 
-Builds ``specdecode/layers/cpu_linear.cpp`` as it was at ``--base`` (a git revision) and as it is now, loads
+Builds the kernel's C++ sources as they were at ``--base`` (a git revision) and as they are now, loads
 the default pair once, and decodes one Spec-Bench prompt per category with each build in turn (the order
 swapped every prompt, so that a noisy machine's slow minutes fall on both): first with the default speculative
 config, then with speculation off. Greedy outputs must be identical (the kernels compute the same bits).
@@ -22,24 +22,43 @@ from pathlib import Path
 
 from specdecode import LLM, SamplingParams
 from specdecode.bench.datasets import load_dataset
-from specdecode.layers import kernels
+from specdecode.layers.kernels import extension
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCE = "specdecode/layers/cpu_linear.cpp"
+# Where the sources lived: split by format and role into csrc/, before that one file.
+SOURCE_DIRS = ("specdecode/layers/kernels/csrc", "specdecode/layers")
 QUESTIONS = ROOT.parent / "shared" / "bench" / "spec_bench_questions.jsonl"
 
 
-def build(source: Path, build_root: Path):
-    """The kernel module built from ``source`` with the flags the package uses (native first)."""
+def base_sources(rev: str, into: Path) -> list[Path]:
+    """The kernel's sources at ``rev`` (its .cpp and .h files), written to ``into``; the .cpp files."""
+    for d in SOURCE_DIRS:
+        names = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", f"{rev}:{d}"],
+                               capture_output=True, text=True).stdout.split()
+        names = [n for n in names if n.endswith((".cpp", ".h"))]
+        if names:
+            for n in names:
+                (into / n).write_bytes(subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{d}/{n}"],
+                                                      check=True, capture_output=True).stdout)
+            return sorted(into / n for n in names if n.endswith(".cpp"))
+    raise SystemExit(f"no kernel sources at {rev}")
+
+
+def build(sources: list[Path], build_root: Path):
+    """The kernel module built from ``sources`` with the flags the package uses (native first)."""
     from torch.utils import cpp_extension
 
-    name = "kernel_ab_" + hashlib.sha1(source.read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha1()
+    for path in sorted(sources[0].parent.glob("*.[ch]*")):
+        digest.update(path.name.encode() + path.read_bytes())
+    name = "kernel_ab_" + digest.hexdigest()[:12]
     directory = build_root / name
     directory.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=kernels._BUILD_ATTEMPTS[0],
-                                  extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
+        return cpp_extension.load(name=name, sources=[str(s) for s in sources],
+                                  extra_cflags=extension._BUILD_ATTEMPTS[0], extra_ldflags=["-fopenmp"],
+                                  build_directory=str(directory), verbose=False)
 
 
 def main() -> None:
@@ -53,11 +72,10 @@ def main() -> None:
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
-        base_src = Path(tmp) / "cpu_linear.cpp"
-        base_src.write_bytes(subprocess.run(["git", "-C", str(ROOT), "show", f"{args.base}:{SOURCE}"],
-                                            check=True, capture_output=True).stdout)
+        (Path(tmp) / "base").mkdir()
+        base_src = base_sources(args.base, Path(tmp) / "base")
         build_root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path(tmp) / "builds"))
-        builds = {"base": build(base_src, build_root), "now": build(ROOT / SOURCE, build_root)}
+        builds = {"base": build(base_src, build_root), "now": build([Path(s) for s in extension._SOURCES], build_root)}
         llm = LLM()
         engine = llm.llm_engine
         spec = engine.config.speculative
@@ -73,7 +91,7 @@ def main() -> None:
                     order = list(builds) if (rnd + i) % 2 == 0 else list(reversed(builds))
                     outputs = {}
                     for name in order:
-                        kernels._ext = builds[name]
+                        extension._ext = builds[name]
                         t0 = time.perf_counter()
                         out = llm.chat(chat, params, use_tqdm=False)[0].outputs[0]
                         seconds[name] += time.perf_counter() - t0

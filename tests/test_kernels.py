@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.layers import kernels
+from specdecode.layers.kernels import extension, q4, q6
 
 FMTS = ("fp32", "bf16", "int8", "w8a8", "w4a8")
 MS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17)
@@ -28,12 +29,12 @@ def num_threads(n: int):
 
 @contextlib.contextmanager
 def forced_fallback():
-    prev = kernels.FORCE_FALLBACK
-    kernels.FORCE_FALLBACK = True
+    prev = extension.FORCE_FALLBACK
+    extension.FORCE_FALLBACK = True
     try:
         yield
     finally:
-        kernels.FORCE_FALLBACK = prev
+        extension.FORCE_FALLBACK = prev
 
 
 def _weight(n: int, k: int, seed: int) -> torch.Tensor:
@@ -110,14 +111,34 @@ def test_a_built_kernel_is_imported_without_the_build_system():
     import sys
 
     assert kernels.kernel_available()  # built (or imported) by this process
-    code = ("import sys; from specdecode.layers import kernels; assert kernels.kernel_available(); "
-            "print(kernels._ext.__file__, 'torch.utils.cpp_extension' in sys.modules, 'setuptools' in sys.modules)")
+    code = ("import sys; from specdecode.layers import kernels; from specdecode.layers.kernels import extension; "
+            "assert kernels.kernel_available(); "
+            "print(extension._ext.__file__, 'torch.utils.cpp_extension' in sys.modules, 'setuptools' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     path, ext_loaded, setuptools_loaded = out.stdout.split()
-    assert path == kernels._ext.__file__
-    assert os.path.basename(path) in {kernels._build_name(f) + ".so" for f in kernels._BUILD_ATTEMPTS}
+    assert path == extension._ext.__file__
+    assert os.path.basename(path) in {extension._build_name(f) + ".so" for f in extension._BUILD_ATTEMPTS}
     assert ext_loaded == "False" and setuptools_loaded == "False"
+
+
+def test_a_stale_build_lock_is_cleared(tmp_path):
+    """A build killed mid-way leaves torch's ``lock`` file in its build directory, and every later
+    cpp_extension.load there would wait on it forever: the next start removes it (one warning) and builds."""
+    import subprocess
+    import sys
+
+    directory = tmp_path / extension._build_name(extension._BUILD_ATTEMPTS[0])
+    directory.mkdir()
+    (directory / "lock").touch()  # what a killed build leaves: torch's lock and no module
+    code = ("import logging, sys; logging.basicConfig(stream=sys.stderr); from specdecode.layers import kernels; "
+            "assert kernels.kernel_available()")
+    env = dict(os.environ, SPECDECODE_KERNEL_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800, env=env)
+    assert out.returncode == 0, out.stderr
+    warned = [line for line in out.stderr.splitlines() if "stale kernel build lock" in line]
+    assert len(warned) == 1 and str(directory / "lock") in warned[0]
+    assert not (directory / "lock").exists()
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -161,7 +182,7 @@ def test_accuracy(n, k):
     # is at least as good as the plain absmax/8 one (one of the candidates) rounded to the same units' codes.
     blocks = F.pad(w, (0, -k % 32)).view(n, -1, 32)
     q_blocks = F.pad(w4, (0, -k % 32)).view(n, -1, 32)
-    f = kernels._w4_unpack(p4)
+    f = q4._w4_unpack(p4)
     for i in range(min(n, 8)):
         for b in range(blocks.shape[1]):
             levels = torch.unique(q_blocks[i, b])
@@ -228,15 +249,15 @@ def test_build_failure_falls_back_with_one_warning(monkeypatch):
     def boom():
         raise RuntimeError("no compiler")
 
-    monkeypatch.setattr(kernels, "_ext", None)
-    monkeypatch.setattr(kernels, "_build_failed", False)
-    monkeypatch.setattr(kernels, "_load_extension", boom)
+    monkeypatch.setattr(extension, "_ext", None)
+    monkeypatch.setattr(extension, "_build_failed", False)
+    monkeypatch.setattr(extension, "_load_extension", boom)
     # Our own handler on the kernel's logger: caplog depends on propagation to the root logger, which other
     # in-process tests (the CLI sets up its own handlers) may change.
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = records.append
-    log = logging.getLogger(kernels.__name__)
+    log = logging.getLogger(extension.__name__)
     log.addHandler(handler)
     try:
         packed = kernels.pack_linear(_weight(64, 72, 1), "int8")
@@ -348,9 +369,9 @@ def test_w4a8_quantizes_float_weights_to_grids_of_the_codes():
     a step of its block's grid (or is clipped at its end), and the error is that of 4-bit weights."""
     w = _weight(70, 300, 5)
     p = kernels.pack_linear(w, "w4a8")
-    f = kernels._w4_unpack(p)
-    s = kernels._w4_values(f.cs, f.D)[:, :, None]
-    o = kernels._w4_values(f.co, f.Dm)[:, :, None]
+    f = q4._w4_unpack(p)
+    s = q4._w4_values(f.cs, f.D)[:, :, None]
+    o = q4._w4_values(f.co, f.Dm)[:, :, None]
     wp = F.pad(w, (0, 20)).view(70, -1, 32)
     inside = ((wp + o) / s >= -0.5) & ((wp + o) / s <= 15.5)
     err = (kernels.dequantize(p) - w).view(70, -1).abs()
@@ -361,7 +382,7 @@ def test_w4a8_quantizes_float_weights_to_grids_of_the_codes():
 def test_w4a8_select_rows_and_layout_round_trip():
     w = _weight(70, 100, 5)
     p = kernels.pack_linear(w, "w4a8")
-    f = kernels._w4_unpack(p)
+    f = q4._w4_unpack(p)
     assert f.u.shape == (70, 128) and f.cs.shape == f.co.shape == (70, 4) and f.D.shape == f.Dm.shape == (70, 1)
     assert int(f.u.min()) >= 0 and int(f.u.max()) <= 15 and bool((f.co != 0).any())
     again = kernels.pack_w4(f, 100)
@@ -370,7 +391,7 @@ def test_w4a8_select_rows_and_layout_round_trip():
     sub = p.select_rows(rows)
     # Rows are cut byte for byte: the same layout as unpacking them and packing again.
     for cut in (rows, torch.arange(70).flip(0), torch.tensor([3])):
-        ref = kernels.pack_w4(kernels._w4_unpack_rows(p, cut), 100)
+        ref = kernels.pack_w4(q4._w4_unpack_rows(p, cut), 100)
         got = p.select_rows(cut)
         assert torch.equal(got.weight, ref.weight) and torch.equal(got.scale, ref.scale), cut
         assert got.out_features == ref.out_features == len(cut)
@@ -418,7 +439,7 @@ def test_w6a8_quantizes_float_weights_and_round_trips():
     packed weight are the rows of the whole, and fields -> layout -> fields is the identity."""
     w = _weight(70, 300, 5)
     p = kernels.pack_linear(w, "w6a8")
-    f = kernels._w6_unpack_rows(p, torch.arange(70))
+    f = q6._w6_unpack_rows(p, torch.arange(70))
     assert f.u.shape == (70, 320) and f.sc.shape == (70, 20) and f.D.shape == (70, 2)
     assert int(f.u.max()) <= 63 and int(f.u.min()) == 0
     step = (f.D.float().repeat_interleave(16, dim=1)[:, :20] * f.sc.float())[:, :, None]
@@ -478,7 +499,7 @@ def test_kv_cache_narrowing_matches_torch():
     including ties, subnormals and overflow, so both attention paths write one cache format."""
     if not kernels.kernel_available():
         pytest.fail("the kernel must build on the test machine")
-    _assert_kv_store_matches_torch(kernels._ext)
+    _assert_kv_store_matches_torch(extension._ext)
 
 
 def _stack_logits(path) -> torch.Tensor:
@@ -508,9 +529,9 @@ def test_integer_instruction_sets_agree_bitwise(tmp_path, tiny_models):
         pytest.fail("the kernel must build on the test machine")
     base = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
     variants = {"scalar": base}
-    if kernels._ext.isa() == "avx512-vnni":
+    if extension._ext.isa() == "avx512-vnni":
         variants["avx2"] = base + ["-march=native", "-mno-avx512f"]
-    if kernels._ext.isa() != "scalar":  # w4a8's units are fp16: the path without F16C converts them itself
+    if extension._ext.isa() != "scalar":  # w4a8's units are fp16: the path without F16C converts them itself
         variants["avx2_no_f16c"] = base + ["-march=native", "-mno-avx512f", "-mno-f16c"]
     cases = []
     for i, (n, k) in enumerate([(64, 64), (257, 72), (131, 1536), (40, 4100)]):
@@ -526,21 +547,22 @@ def test_integer_instruction_sets_agree_bitwise(tmp_path, tiny_models):
     expected = [kernels.rowinv_linear(x, p, b) for p, x, b in cases]
     models = [tiny_models["qwen3"], build_model("qwen2", tmp_path / "head64", layers=1, hidden=256)]  # D 32, 64
     expected_stack = [_stack_logits(m) for m in models]
-    saved = kernels._ext
+    saved = extension._ext
     try:
         for name, flags in variants.items():
-            mod = cpp_extension.load(name=f"specdecode_w8a8_{name}_{kernels._cpu_tag()}", sources=[kernels._SOURCE],
+            mod = cpp_extension.load(name=f"specdecode_w8a8_{name}_{extension._cpu_tag()}",
+                                     sources=list(extension._SOURCES),
                                      extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                      build_directory=str(tmp_path), verbose=False)
             assert mod.isa() == name.removesuffix("_no_f16c")
-            kernels._ext = mod
+            extension._ext = mod
             for (p, x, b), want in zip(cases, expected):
                 assert torch.equal(kernels.rowinv_linear(x, p, b), want), f"{name} differs from {saved.isa()}"
             _assert_kv_store_matches_torch(mod)
             for m, want in zip(models, expected_stack):
                 assert torch.equal(_stack_logits(m), want), f"decoder stack: {name} differs from {saved.isa()}"
     finally:
-        kernels._ext = saved
+        extension._ext = saved
 
 
 def _cpu_has_amx() -> bool:
@@ -557,7 +579,7 @@ def test_amx_tiles_agree_bitwise_with_vnni(fmt):
         pytest.fail("the kernel must build on the test machine")
     if not kernels.set_amx(True):
         # Only acceptable where the CPU has no AMX (or the build has no VNNI path to match it against).
-        assert not (_cpu_has_amx() and kernels._ext.isa() == "avx512-vnni"), "AMX CPU, but the tiles are unused"
+        assert not (_cpu_has_amx() and extension._ext.isa() == "avx512-vnni"), "AMX CPU, but the tiles are unused"
         return
     try:
         for i, (n, k) in enumerate([(64, 64), (257, 72), (131, 1536), (40, 4100)]):

@@ -1,0 +1,261 @@
+// Attention of decode / verification rows. Every score is q . k summed over d = 0..D-1 in order, every
+// output element sum_j p_j * v_j[d] in key order, and the softmax total in key order: one rounding per
+// multiply and per add (the file is built with -ffp-contract=off), so a row's result does not depend on
+// which other queries or keys share a tile, nor on the vector width the compiler picks. 16-bit caches are
+// widened to fp32 (exactly) one tile at a time, so a row's arithmetic is that of an fp32 cache holding the
+// same values.
+#include "fast_exp.h"
+#include "layer_stack.h"
+
+namespace specdecode {
+namespace {
+
+// n elements from element i of base, widened to fp32.
+static void kv_load(int fmt, const void* base, int64_t i, int64_t n, float* out) {
+  if (fmt == kKvF32) {
+    std::memcpy(out, static_cast<const float*>(base) + i, sizeof(float) * n);
+    return;
+  }
+  const uint16_t* h = static_cast<const uint16_t*>(base) + i;
+  int64_t j = 0;
+#if SPECDECODE_AVX2
+  if (fmt == kKvBF16) {
+    for (; j + 8 <= n; j += 8) {
+      const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + j)));
+      _mm256_storeu_ps(out + j, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+    }
+  }
+#endif
+#if defined(__F16C__)
+  if (fmt == kKvF16)
+    for (; j + 8 <= n; j += 8)
+      _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + j))));
+#endif
+  for (; j < n; ++j) {
+    if (fmt == kKvF16) {
+      out[j] = half_to_float(h[j]);
+    } else {
+      const uint32_t u = static_cast<uint32_t>(h[j]) << 16;
+      std::memcpy(out + j, &u, sizeof(float));
+    }
+  }
+}
+
+// y[i] = fast_exp(x[i] - sub) for i < n (the softmax numerators).
+static inline void exp_shifted(const float* x, float sub, float* y, int64_t n) {
+  int64_t i = 0;
+#if SPECDECODE_AVX2
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, fast_exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(sub))));
+#endif
+  for (; i < n; ++i) y[i] = fast_exp(x[i] - sub);
+}
+
+typedef float V16 __attribute__((vector_size(kKeyTile * sizeof(float))));
+static inline V16 load16(const float* p) {
+  V16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+constexpr int64_t kValueTile = 32;
+
+// max(s[0], ..., s[n - 1]) as the scalar loop mx = s[0]; mx = std::max(mx, s[j]) gives it (max is exact, so
+// the order does not matter; a NaN is skipped unless it is s[0], and then the result is NaN as well). Eight
+// lanes at a time: one scalar chain of dependent compares was the largest single cost of a long prompt's
+// attention.
+typedef float V8 __attribute__((vector_size(8 * sizeof(float))));
+static inline float row_max(const float* s, int64_t n) {
+  V8 m = V8{} + s[0];
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    V8 x;
+    std::memcpy(&x, s + j, sizeof(x));
+    m = m < x ? x : m;
+  }
+  float mx = m[0];
+  for (int l = 1; l < 8; ++l) mx = std::max(mx, m[l]);
+  for (; j < n; ++j) mx = std::max(mx, s[j]);
+  return mx;
+}
+
+// total[i] = s_i[0] + s_i[1] + ... in key order, for rows s_i of lens[i] scores: one chain of dependent
+// additions per row (the order fixes the rounding), eight rows' chains interleaved so that they overlap.
+static void row_totals(float* const* s, const int64_t* lens, int64_t n, float* total) {
+  constexpr int kChains = 8;
+  int64_t i = 0;
+  for (; i + kChains <= n; i += kChains) {
+    float t[kChains] = {};
+    int64_t common = lens[i];
+    for (int a = 1; a < kChains; ++a) common = std::min(common, lens[i + a]);
+    for (int64_t j = 0; j < common; ++j)
+      for (int a = 0; a < kChains; ++a) t[a] += s[i + a][j];
+    for (int a = 0; a < kChains; ++a) {
+      for (int64_t j = common; j < lens[i + a]; ++j) t[a] += s[i + a][j];
+      total[i + a] = t[a];
+    }
+  }
+  for (; i < n; ++i) {
+    float t = 0.0f;
+    for (int64_t j = 0; j < lens[i]; ++j) t += s[i][j];
+    total[i] = t;
+  }
+}
+
+// acc[a][jj] = sum_d q[a][d] * kt[d][jj] for NQ queries against one tile of kKeyTile transposed keys
+// ([D, kKeyTile]): the NQ x kKeyTile independent sums keep the vector units busy where one dot product at a
+// time would wait on its own additions.
+#if SPECDECODE_AVX2 && !defined(__AVX512F__)
+// AVX2 without AVX-512: the same sums as the generic version below, lane for lane (a product, then a sum, each
+// rounded once), in pairs of 8-lane registers. GCC lowers a 16-lane vector type on AVX2 by moving every
+// accumulator through the stack and general registers at each step, which made this loop most of a
+// verification's attention time.
+template <int NQ>
+static inline void score_tile(const float* const* q, const float* kt, int64_t D, float scale, int64_t jt,
+                              float* const* out) {
+  __m256 lo[NQ], hi[NQ];
+  for (int a = 0; a < NQ; ++a) lo[a] = hi[a] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m256 k0 = _mm256_loadu_ps(kt + d * kKeyTile), k1 = _mm256_loadu_ps(kt + d * kKeyTile + 8);
+    for (int a = 0; a < NQ; ++a) {
+      const __m256 qa = _mm256_set1_ps(q[a][d]);
+      lo[a] = _mm256_add_ps(lo[a], _mm256_mul_ps(qa, k0));
+      hi[a] = _mm256_add_ps(hi[a], _mm256_mul_ps(qa, k1));
+    }
+  }
+  for (int a = 0; a < NQ; ++a) {
+    alignas(32) float t[kKeyTile];
+    _mm256_store_ps(t, lo[a]);
+    _mm256_store_ps(t + 8, hi[a]);
+    for (int64_t jj = 0; jj < jt; ++jj) out[a][jj] = t[jj] * scale;
+  }
+}
+#else
+template <int NQ>
+static inline void score_tile(const float* const* q, const float* kt, int64_t D, float scale, int64_t jt,
+                              float* const* out) {
+  // GCC vector types: the sums stay in registers (as plain arrays they were kept on the stack), and
+  // element-wise arithmetic is the same IEEE operation per lane whatever vector width the target has.
+  V16 acc[NQ];
+  for (int a = 0; a < NQ; ++a) acc[a] = V16{};
+  for (int64_t d = 0; d < D; ++d) {
+    const V16 k = load16(kt + d * kKeyTile);
+    for (int a = 0; a < NQ; ++a) acc[a] += q[a][d] * k;
+  }
+  for (int a = 0; a < NQ; ++a) {
+    float t[kKeyTile];
+    std::memcpy(t, &acc[a], sizeof(t));
+    for (int64_t jj = 0; jj < jt; ++jj) out[a][jj] = t[jj] * scale;
+  }
+}
+#endif
+
+// acc[a][d] += sum_j p[a][j] * v_j[d] over keys [j0, j1) in key order, for NQ queries that all see those keys;
+// vals holds v_j0, v_j0+1, ... DT = D known at compile time keeps the running sums in registers for the tile.
+template <int DT, int NQ>
+static inline void weighted_sum(float* const* p, int64_t j0, int64_t j1, const float* vals, float* const* acc) {
+  float s[NQ][DT];
+  for (int a = 0; a < NQ; ++a)
+    for (int64_t d = 0; d < DT; ++d) s[a][d] = acc[a][d];
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* v = vals + (j - j0) * DT;
+    for (int a = 0; a < NQ; ++a) {
+      const float e = p[a][j];
+      for (int64_t d = 0; d < DT; ++d) s[a][d] += e * v[d];
+    }
+  }
+  for (int a = 0; a < NQ; ++a)
+    for (int64_t d = 0; d < DT; ++d) acc[a][d] = s[a][d];
+}
+
+static void weighted_sum_any(const float* p, int64_t j0, int64_t j1, const float* vals, int64_t D, float* acc) {
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t d = 0; d < D; ++d) acc[d] += p[j] * vals[(j - j0) * D + d];
+}
+
+}  // namespace
+
+// One KV head against query rows [i0, i1) of a stretch of rows of one request that starts at row m0 (one cache
+// slot, increasing positions); query row i is row m0 + i / rep's query head kv * rep + i % rep, and attends to
+// keys [0, pos]. Keys and values are read once for all of those rows, so a verification pass over k + 1 rows
+// streams the request's KV cache once, not k + 1 times. A long prompt's rows are split into several calls (the
+// task list in layer_forward) so that their scores stay in cache; a row's arithmetic is the same in any split. Each
+// block's keys are one transposed tile ([D, kKeyTile]), so nothing is transposed per step. Lanes of the last
+// block past the newest key hold stale or zero values, and score tiles past a row's own position are not
+// computed for it; such scores are never read.
+void attend_rows(const LayerDesc& L, const StackDims& g, const float* qkv, int64_t nqkv, const int64_t* pos,
+                 int64_t slot, int64_t m0, int64_t i0, int64_t i1, int64_t kv, int64_t rep, float* att,
+                 int64_t ld_att, std::vector<float>& scratch) {
+  const int64_t D = g.D, n = i1 - i0;
+  int64_t len = 0;
+  for (int64_t i = i0; i < i1; ++i) len = std::max(len, pos[m0 + i / rep] + 1);
+  const int64_t ld = (len + kKeyTile - 1) / kKeyTile * kKeyTile;
+  // scores [n, ld], totals [n], sums [n, D], one widened key tile [D, kKeyTile], one value tile [kValueTile, D]
+  scratch.resize(n * ld + n + n * D + D * kKeyTile + kValueTile * D);
+  float* const scores = scratch.data();
+  float* const total = scores + n * ld;
+  float* const acc = total + n;
+  float* const key_tile = acc + n * D;
+  float* const val_tile = key_tile + D * kKeyTile;
+  std::vector<const float*> q(n);
+  std::vector<float*> srow(n), orow(n);
+  std::vector<int64_t> lens(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t m = m0 + (i0 + i) / rep, h = kv * rep + (i0 + i) % rep;
+    q[i] = qkv + m * nqkv + h * D;
+    orow[i] = att + m * ld_att + h * D;
+    srow[i] = scores + i * ld;
+    lens[i] = pos[m] + 1;
+  }
+  int64_t first = 0;  // rows before it end before the tile: lens never decreases along the rows
+  for (int64_t j0 = 0; j0 < len; j0 += kKeyTile) {
+    while (first < n && lens[first] <= j0) ++first;
+    const int64_t jt = std::min(kKeyTile, len - j0);
+    const int64_t at = g.at(g.block(slot, j0), kv);
+    const float* tile = key_tile;
+    if (g.kv_fmt == kKvF32) tile = static_cast<const float*>(L.keys) + at;
+    else kv_load(g.kv_fmt, L.keys, at, D * kKeyTile, key_tile);
+    float* out[4];
+    int64_t i = first;
+    for (; i + 4 <= n; i += 4) {
+      for (int a = 0; a < 4; ++a) out[a] = srow[i + a] + j0;
+      score_tile<4>(q.data() + i, tile, D, g.scale, jt, out);
+    }
+    for (int a = 0; i + a < n; ++a) out[a] = srow[i + a] + j0;
+    if (n - i == 3) score_tile<3>(q.data() + i, tile, D, g.scale, jt, out);
+    else if (n - i == 2) score_tile<2>(q.data() + i, tile, D, g.scale, jt, out);
+    else if (n - i == 1) score_tile<1>(q.data() + i, tile, D, g.scale, jt, out);
+  }
+  for (int64_t i = 0; i < n; ++i) {  // softmax numerators; keys past a row's own position are never read
+    float* s = srow[i];
+    exp_shifted(s, row_max(s, lens[i]), s, lens[i]);
+  }
+  row_totals(srow.data(), lens.data(), n, total);
+  // Values in tiles of kValueTile keys (widened into val_tile), each tile used by every query while it sits in
+  // L1 (a pass over all values per query would stream them from L3 once per query). A query's sums still run
+  // in key order.
+  std::vector<float*> arow(n);
+  for (int64_t i = 0; i < n; ++i) arow[i] = acc + i * D;
+  std::fill(acc, acc + n * D, 0.0f);
+  for (int64_t j0 = 0; j0 < len; j0 += kValueTile) {
+    const int64_t jend = std::min(j0 + kValueTile, len);
+    for (int64_t b0 = j0; b0 < jend; b0 += kKeyTile)
+      kv_load(g.kv_fmt, L.values, g.at(g.block(slot, b0), kv), std::min(kKeyTile, jend - b0) * D,
+              val_tile + (b0 - j0) * D);
+    for (int64_t i = 0; i < n;) {
+      const int64_t j1 = std::min(j0 + kValueTile, lens[i]);
+      const bool pair = i + 1 < n && lens[i + 1] == lens[i] && (D == 128 || D == 64);
+      if (j1 > j0) {
+        if (D == 128 && pair) weighted_sum<128, 2>(&srow[i], j0, j1, val_tile, &arow[i]);
+        else if (D == 128) weighted_sum<128, 1>(&srow[i], j0, j1, val_tile, &arow[i]);
+        else if (D == 64 && pair) weighted_sum<64, 2>(&srow[i], j0, j1, val_tile, &arow[i]);
+        else if (D == 64) weighted_sum<64, 1>(&srow[i], j0, j1, val_tile, &arow[i]);
+        else weighted_sum_any(srow[i], j0, j1, val_tile, D, arow[i]);
+      }
+      i += pair ? 2 : 1;
+    }
+  }
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t d = 0; d < D; ++d) orow[i][d] = arow[i][d] / total[i];
+}
+
+}  // namespace specdecode
