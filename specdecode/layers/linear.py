@@ -3,7 +3,7 @@
 Why: speculative verification scores k+1 tokens in one pass while plain decoding scores one. BLAS picks
 different kernels for different row counts, so the same token could get slightly different logits and
 greedy outputs could diverge. On CPU every model pass therefore goes through our row-invariant kernel
-(layers/kernels.py): decode and verification rows, and prefill too, whose blocks are shared between requests by
+(layers/kernels/): decode and verification rows, and prefill too, whose blocks are shared between requests by
 the prefix cache and must not depend on how a prompt was split into chunks.
 """
 from __future__ import annotations
