@@ -66,13 +66,15 @@ def test_cancel_aborts_and_frees_slot(engine, monkeypatch):
     # the request is still running, however fast the machine decodes.
     import threading
 
-    cancelled = threading.Event()
+    cancelled, running = threading.Event(), threading.Event()
     step = engine.engine.step
 
     def held_step():
+        if running.is_set():  # the last step handed the caller an unfinished output of "cancel-me"
+            assert cancelled.wait(30), "the caller never cancelled"
         outs = step()
         if any(o.request_id == "cancel-me" and not o.finished for o in outs):
-            cancelled.wait(30)
+            running.set()
         return outs
 
     monkeypatch.setattr(engine.engine, "step", held_step)
