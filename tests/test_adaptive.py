@@ -11,6 +11,7 @@ from specdecode.speculative.adaptive import (PLAIN, PROBE_EVERY, Acceptance, Ada
                                              expected_tokens, next_k, plan_step)
 from specdecode.speculative.state import SpecState
 
+from fake_request import FakeRequest
 from helpers_spec import GREEDY, PROMPTS, gen_ids, llm_cache, noisy_drafts, one_thread  # noqa: F401
 
 
@@ -147,8 +148,6 @@ def test_a_draft_model_that_sat_out_is_tried_again_after_a_few_requests():
     """Bad drafts teach new requests to leave the draft model off; steps that then do not draft with it must
     not freeze that verdict (a draft model that sat out cannot be probed without a catch-up nobody pays for),
     so each one fades it towards the neutral guess: over a few long answers, not within one."""
-    from types import SimpleNamespace
-
     policy = AdaptiveK(enabled=True)
     c = policy.costs
     for _ in range(100):
@@ -156,7 +155,7 @@ def test_a_draft_model_that_sat_out_is_tried_again_after_a_few_requests():
     assert Acceptance().rates(c.prior)[0] < 0.05
 
     def steps(n: int, looked_up: bool) -> None:
-        r = SimpleNamespace(spec=SpecState())
+        r = FakeRequest(spec=SpecState())
         for _ in range(n):
             policy.learn(r, [7] if looked_up else [], int(looked_up), looked_up, [], [7], None)
 
@@ -460,12 +459,10 @@ def test_a_large_batch_with_dear_verify_rows_turns_speculation_off():
 def test_a_lookup_with_per_token_chances_stops_before_its_contested_tokens():
     """Given each looked-up token's chance of acceptance, the plan drafts the confident run and stops before
     a contested token, whatever the request's own average lookup rate says."""
-    from types import SimpleNamespace
-
     policy = AdaptiveK(enabled=True, costs=_cpu_like())
 
     def request():
-        return SimpleNamespace(all_token_ids=list(range(40)), spec=SpecState(), num_output_tokens=10)
+        return FakeRequest(all_token_ids=list(range(40)), spec=SpecState(), num_output_tokens=10)
 
     confident = [0.97] * 6 + [0.1] * 6
     [(looked_up, k)] = policy.plan([request()], [100], [12], [0], [confident])
@@ -495,10 +492,9 @@ def test_requests_draft_together_when_the_draft_pass_is_shared():
 def _request(prompt: int, output: int = 0, draft_computed: int = 0):
     """A request after `output` tokens of a `prompt`-token prompt whose draft model has seen `draft_computed`
     tokens and is accepted at 0.8."""
-    from types import SimpleNamespace
-    return SimpleNamespace(all_token_ids=[1] * (prompt + output), num_output_tokens=output,
-                           draft_computed=draft_computed,
-                           spec=SpecState(Acceptance(decay=1.0, first_ok=8, first_n=10, next_ok=8, next_n=10)))
+    return FakeRequest(all_token_ids=[1] * (prompt + output), num_output_tokens=output,
+                       draft_computed=draft_computed,
+                       spec=SpecState(Acceptance(decay=1.0, first_ok=8, first_n=10, next_ok=8, next_n=10)))
 
 
 def test_one_off_catch_up_work_keeps_short_requests_plain():
@@ -551,14 +547,12 @@ def test_text_a_grammar_forces_does_not_repay_a_draft_catch_up():
 def test_draft_catch_up_waits_until_a_request_outlives_the_short_answers():
     """Where some answers are short, a request does not start the draft model's prefill before it has
     outlived them (the mean length would say every answer runs long); where all run long, it starts at once."""
-    from types import SimpleNamespace
-
     def request(output: int):
         return _request(400, output)
 
     def finished(policy: AdaptiveK, lengths: list[int]) -> None:
         for n in lengths:
-            policy.finished(SimpleNamespace(num_output_tokens=n, spec=SpecState()))
+            policy.finished(FakeRequest(num_output_tokens=n, spec=SpecState()))
 
     long_only = AdaptiveK(enabled=True, costs=_cpu_like())
     finished(long_only, [400] * 20)
@@ -575,7 +569,7 @@ def test_draft_catch_up_waits_until_a_request_outlives_the_short_answers():
     # their budget are not spread: they say nothing about answers ending early.
     few_short = AdaptiveK(enabled=True, costs=_cpu_like())
     for n, reason in [(10, "stop")] + [(128, "length")] * 4 + [(12, "stop")] + [(128, "length")] * 4:
-        few_short.finished(SimpleNamespace(num_output_tokens=n, finish_reason=reason, spec=SpecState()))
+        few_short.finished(FakeRequest(num_output_tokens=n, finish_reason=reason, spec=SpecState()))
     assert few_short.assured_left(request(13), 500) <= 12
     assert few_short.plan([request(13)], [115], [0], [4]) == [(False, 0)]
     assert few_short.assured_left(request(30), 98) == 98
@@ -583,7 +577,7 @@ def test_draft_catch_up_waits_until_a_request_outlives_the_short_answers():
     # Nor is a request taken to end sooner than the answers seen: after one 65-token answer, a request at its
     # first token has at least 64 to go (JSON answers of 65 and 128 tokens, say).
     one_answer = AdaptiveK(enabled=True, costs=_cpu_like())
-    one_answer.finished(SimpleNamespace(num_output_tokens=65, finish_reason="stop", spec=SpecState()))
+    one_answer.finished(FakeRequest(num_output_tokens=65, finish_reason="stop", spec=SpecState()))
     assert one_answer.assured_left(request(1), 127) >= 64
     # The budget caps what is left: 8 tokens to go cannot pay for the prefill however long answers run.
     assert long_only.assured_left(request(0), 7) == 8
@@ -595,10 +589,8 @@ def test_no_draft_catch_up_while_the_batch_is_about_to_grow_back():
     pays back over many steps. A lone request does not start that while the batch was recently large enough
     that drafting would not pay there (the others are only being prefilled); a draft already caught up keeps
     drafting, and once the batch stays small the catch-up is worth it again."""
-    from types import SimpleNamespace
-
     def req(seen: int):
-        return SimpleNamespace(all_token_ids=[1] * 100, num_output_tokens=0, draft_computed=seen, spec=SpecState())
+        return FakeRequest(all_token_ids=[1] * 100, num_output_tokens=0, draft_computed=seen, spec=SpecState())
 
     assert AdaptiveK(enabled=True, costs=_cpu_like()).plan([req(0)], [50], [0], [4])[0][1] > 0  # alone: drafts
     policy = AdaptiveK(enabled=True, costs=_cpu_like())
@@ -614,15 +606,13 @@ def test_no_draft_catch_up_while_the_batch_is_about_to_grow_back():
 
 
 def test_probes_only_where_acceptance_is_what_keeps_speculation_off():
-    from types import SimpleNamespace
-
     c = _cpu_like()
     policy = AdaptiveK(enabled=True, costs=c)
 
     def requests(n: int, rate: float):
         low = Acceptance(decay=1.0, first_ok=rate * 50, first_n=50, next_ok=rate * 50, next_n=50)
-        return [SimpleNamespace(all_token_ids=[1] * 50, num_output_tokens=0, draft_computed=50,
-                                spec=SpecState(Acceptance(**low.__dict__)))
+        return [FakeRequest(all_token_ids=[1] * 50, num_output_tokens=0, draft_computed=50,
+                            spec=SpecState(Acceptance(**low.__dict__)))
                 for _ in range(n)]
 
     alone = requests(1, 0.05)  # rarely accepted: off, but probed now and then
@@ -668,8 +658,6 @@ def test_the_targets_confidence_judges_a_draft_model_that_has_not_drafted_yet():
     predicts (ConfidenceRates, learned from verifications), not by the engine-wide rate of the requests before
     it: after a run of badly accepted answers, text the target is sure of still starts the draft model, and
     text it hesitates over does not."""
-    from types import SimpleNamespace
-
     from specdecode.speculative.adaptive import ConfidenceRates
 
     policy = AdaptiveK(enabled=True, costs=_cpu_like())
@@ -681,8 +669,8 @@ def test_the_targets_confidence_judges_a_draft_model_that_has_not_drafted_yet():
     assert policy.confidence.rate(0.995) > 0.9 and policy.confidence.rate(0.45) < 0.1
 
     def request(confidences: list[float]):
-        return SimpleNamespace(all_token_ids=[1] * 460, num_output_tokens=60, draft_computed=0,
-                               spec=SpecState(confidence=list(confidences)))
+        return FakeRequest(all_token_ids=[1] * 460, num_output_tokens=60, draft_computed=0,
+                           spec=SpecState(confidence=list(confidences)))
 
     assert policy.plan([request([])], [400], [0], [4]) == [(False, 0)]  # the engine-wide rate: plain
     assert policy.plan([request([0.995] * 8)], [400], [0], [4])[0][1] > 0

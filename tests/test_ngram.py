@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from specdecode.speculative.ngram import NgramProposer, ngram_lookup
+
+from fake_request import FakeRequest
 
 
 def longest_match(tokens: list[int], n_min: int, n_max: int) -> tuple[int, list[int]]:
@@ -116,9 +117,9 @@ def test_property_checker_rejects_wrong_answers():
 
 def test_proposer_uses_prompt_plus_output_and_respects_per_request_k():
     prop = NgramProposer(n_min=1, n_max=3)
-    reqs = [SimpleNamespace(all_token_ids=[1, 2, 3, 4, 5, 1, 2, 3]),   # 3-gram match -> 4, 5, 1, ...
-            SimpleNamespace(all_token_ids=[9, 8, 7]),                  # no match
-            SimpleNamespace(all_token_ids=[6, 6, 6, 6])]               # k = 0: speculation off for it
+    reqs = [FakeRequest(all_token_ids=[1, 2, 3, 4, 5, 1, 2, 3]),   # 3-gram match -> 4, 5, 1, ...
+            FakeRequest(all_token_ids=[9, 8, 7]),                  # no match
+            FakeRequest(all_token_ids=[6, 6, 6, 6])]               # k = 0: speculation off for it
     p = prop.propose(reqs, [2, 4, 0])
     assert p.tokens == [[4, 5], [], []]
     assert p.probs is None  # n-gram drafts are one-hot

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from fake_request import FakeRequest
 from helpers_spec import llm_cache, one_thread, sharp_draft, sharp_target  # noqa: F401  (fixtures)
 from test_sampling_distribution import ALPHA, chi2_pvalue, unseeded
 
@@ -235,13 +236,11 @@ def test_forced_text_is_split_as_the_model_split_it(engines):
 
     # The engine's side: only a greedy request's token at a rejection is the model's own choice; a sampled
     # request's is a draw from the residual distribution and teaches nothing.
-    from types import SimpleNamespace
-
     from specdecode.structured.speculation import learn_spelling
     matcher = engines("none").engine.grammar_compiler.matcher(StructuredOutputsParams(regex="(quick brown)+"))
     for greedy in (False, True):
-        r = SimpleNamespace(matcher=matcher, params=SamplingParams(temperature=0 if greedy else 0.8),
-                            forced_text="quick brown")
+        r = FakeRequest(matcher=matcher, params=SamplingParams(temperature=0 if greedy else 0.8),
+                        forced_text="quick brown")
         learn_spelling(r, ids, 0, [token("q")])
         assert (matcher.spellings.split(text) != ids) == greedy
 

@@ -2,20 +2,19 @@
 often each continuation occurred; exact greedy output; learning across requests; bounded memory."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from specdecode.speculative.state import SpecState
 from specdecode.speculative.suffix import SuffixCache, SuffixProposer
 
+from fake_request import FakeRequest
 from helpers_spec import GREEDY, PROMPTS, gen_ids, llm_cache, noisy_drafts, one_thread  # noqa: F401
 
 
-def req(tokens: list[int], prompt_len: int | None = None) -> SimpleNamespace:
+def req(tokens: list[int], prompt_len: int | None = None) -> FakeRequest:
     n = len(tokens) if prompt_len is None else prompt_len
-    return SimpleNamespace(all_token_ids=list(tokens), prompt_token_ids=list(tokens[:n]),
-                           output_token_ids=list(tokens[n:]), spec=SpecState())
+    return FakeRequest(all_token_ids=list(tokens), prompt_token_ids=list(tokens[:n]),
+                       output_token_ids=list(tokens[n:]), spec=SpecState())
 
 
 def test_own_context_continues_the_latest_match():

@@ -28,7 +28,8 @@ from collections import OrderedDict
 
 import torch
 
-BLOCK_SIZE = 16  # positions per block = the C++ attention's key tile (kernels.KEY_TILE, checked in kv_cache)
+# Defined with the cache interface the layers see (layers.paged_kv); re-exported for the engine and its users.
+from specdecode.layers.paged_kv import BLOCK_SIZE
 
 
 class KVCacheFullError(RuntimeError):

@@ -75,7 +75,8 @@ def _lazy_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.T
 
 class KVCache:
     """Keys and values of every layer of one model, for ``num_slots`` sequences of up to ``max_model_len``, in
-    the blocks of ``pool`` (a pool of its own, one max-length sequence per slot, when not given)."""
+    the blocks of ``pool`` (a pool of its own, one max-length sequence per slot, when not given). The layers
+    see it as a ``layers.paged_kv.PagedKVCache``."""
 
     def __init__(self, num_layers: int, num_slots: int, max_model_len: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, pool: BlockPool | None = None):

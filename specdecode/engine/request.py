@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from specdecode.layers.sampler import PositionNoise
 from specdecode.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
 from specdecode.sampling_params import SamplingParams
 from specdecode.speculative.state import SpecState
 from specdecode.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from specdecode.structured.grammar import Matcher
 
 
 class Status(enum.Enum):
@@ -60,6 +64,7 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=time.time())
         self.prediction_ids: list[int] | None = None  # SamplingParams.prediction's tokens (the engine sets them)
         self.bad_words_ids: list[list[int]] = []  # SamplingParams.bad_words as token sequences (the engine sets them)
+        self.matcher: Matcher | None = None  # SamplingParams.structured_outputs's grammar state (the engine sets it)
         self.spec = SpecState()  # the proposer's and its adaptive-k policy's state, which goes with the request
 
     @property

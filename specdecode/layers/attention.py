@@ -1,4 +1,4 @@
-"""Attention over the model's KV cache (engine.kv_cache.KVCache).
+"""Attention over the model's paged KV cache (layers.paged_kv; the engine's is engine.kv_cache.KVCache).
 
 Tokens arrive flattened: token i belongs to cache slot ``slots[i]`` at position ``positions[i]``.
 
@@ -17,16 +17,12 @@ output is bitwise the same whether it is decoded alone or verified together with
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from specdecode.engine.block_pool import BLOCK_SIZE
-
-if TYPE_CHECKING:
-    from specdecode.engine.kv_cache import KVCache
+from specdecode.layers.paged_kv import BLOCK_SIZE, PagedKVCache
 
 
 @dataclass
@@ -41,8 +37,8 @@ class ForwardBatch:
     _runs: list[tuple[int, int, int, int]] | None = field(default=None, repr=False)
     _kv_loc: tuple[object, tuple[torch.Tensor, torch.Tensor]] | None = field(default=None, repr=False)
 
-    def kv_location(self, cache: "KVCache") -> tuple[torch.Tensor, torch.Tensor]:
-        """Where each token's K/V goes in ``cache`` (KVCache.locate), computed once per pass for all layers."""
+    def kv_location(self, cache: PagedKVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where each token's K/V goes in ``cache`` (PagedKVCache.locate), computed once per pass for all layers."""
         if self._kv_loc is None or self._kv_loc[0] is not cache:
             self._kv_loc = (cache, cache.locate(self.slots, self.positions))
         return self._kv_loc[1]
@@ -65,10 +61,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim, self.scale = n_heads, n_kv_heads, head_dim, scale
         # The model's KV cache and this layer's index in it, bound by the engine (bind_kv_cache).
-        self.kv_cache: KVCache | None = None
+        self.kv_cache: PagedKVCache | None = None
         self.layer_index = 0
 
-    def bind_kv_cache(self, cache: "KVCache | None", layer_index: int) -> None:
+    def bind_kv_cache(self, cache: PagedKVCache | None, layer_index: int) -> None:
         self.kv_cache, self.layer_index = cache, layer_index
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: ForwardBatch) -> torch.Tensor:

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
-from specdecode.engine.model_runner import ModelRunner
 from specdecode.layers.sampler import argmax, logits_to_probs, sample
+from specdecode.models.model import CausalLM
 from specdecode.speculative.adaptive import AdaptiveK
 from specdecode.speculative.draft_vocab import TruncatedHead, expand, top_token
 from specdecode.speculative.proposer import (Proposal, Proposer, context_of, one_hot_rows, reads_draft_probs,
@@ -16,6 +16,24 @@ from specdecode.speculative.proposer import (Proposal, Proposer, context_of, one
 
 # More unseen tokens than this (a prompt after a prefix-cache hit) are fed as a prefill, not as decode rows.
 PREFILL_ROWS = 32
+
+
+class DraftRunner(Protocol):
+    """What the proposer needs of the draft model's runner (engine.model_runner.ModelRunner, which the engine
+    builds and hands to ``build_proposer``): its model, whose head it swaps, and passes over its KV cache."""
+
+    model: CausalLM
+    device: torch.device
+
+    def prefill(self, slot: int, token_ids: list[int], start: int = 0) -> torch.Tensor:
+        """Computes KV for token_ids at positions start.. and returns the last token's logits [V]."""
+        ...
+
+    def forward_rows(self, seqs: list[tuple[int, int, list[int]]],
+                     all_logits: bool | list[bool]) -> list[torch.Tensor]:
+        """seqs: (slot, start position, new tokens); per sequence the logits [len(tokens), V] if all_logits,
+        else the last row's [1, V]."""
+        ...
 
 
 class DraftModelProposer(Proposer):
@@ -28,7 +46,7 @@ class DraftModelProposer(Proposer):
     The draft runs over a request's prompt lazily, at the first step that needs it (a request the draft
     model never drafts for never pays for it); that time is counted in ``prefill_seconds``."""
 
-    def __init__(self, runner: ModelRunner, target_vocab: int, p_min: float = 0.0,
+    def __init__(self, runner: DraftRunner, target_vocab: int, p_min: float = 0.0,
                  vocab_ids: torch.Tensor | None = None, confidence: float = 0.0, k: int | None = None,
                  policy: AdaptiveK | None = None, heads: dict[bytes, TruncatedHead] | None = None):
         super().__init__(k, policy)
@@ -45,7 +63,7 @@ class DraftModelProposer(Proposer):
         self.set_vocab(vocab_ids)
 
     @property
-    def draft_runner(self) -> ModelRunner:
+    def draft_runner(self) -> DraftRunner:
         return self.runner
 
     @property

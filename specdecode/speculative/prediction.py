@@ -23,7 +23,7 @@ MAX_MATCH = 16  # the longest match tried first
 def predicted(request, tokens: list[int], k: int) -> list[int]:
     """Up to k tokens of ``request``'s prediction that should follow ``tokens`` (its context, possibly extended by
     drafts); none without a prediction or where the output matches no part of it."""
-    pred = getattr(request, "prediction_ids", None)
+    pred = request.prediction_ids
     if not pred or k <= 0:
         return []
     out = tokens[len(request.prompt_token_ids):]

@@ -18,14 +18,14 @@ from specdecode.speculative.adaptive import AdaptiveK, CostModel
 def context_of(request) -> list[int]:
     """The tokens a proposer drafts after: the request's committed tokens, then the step's ``draft_prefix``
     (tokens the engine drafts itself ahead of the proposer's, the grammar's forced text; usually none)."""
-    prefix = getattr(request, "draft_prefix", None)
+    prefix = request.draft_prefix
     return request.all_token_ids + prefix if prefix else request.all_token_ids
 
 
 def reads_draft_probs(request) -> bool:
     """Whether verification reads the request's draft probabilities: an unseeded sampled request's rejection
     test does; greedy and seeded requests are verified by the argmax of their rows (``Request.argmax_rows``)."""
-    return not getattr(request, "argmax_rows", request.params.greedy)
+    return not request.argmax_rows
 
 
 @dataclass

@@ -9,16 +9,20 @@ which keeps the draft distribution the verifier assumes honest.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from specdecode.layers.sampler import argmax
 from specdecode.speculative.proposer import Proposal, one_hot_rows, reads_draft_probs, widened
 
+if TYPE_CHECKING:
+    from specdecode.structured.grammar import Matcher
 
-def matcher_of(request):
-    return getattr(request, "matcher", None)
+
+def matcher_of(request) -> Matcher | None:
+    """The request's grammar state; None where its output is unconstrained."""
+    return request.matcher
 
 
 def forced_drafts(requests: list, budgets: list[int]) -> list[list[int]]:

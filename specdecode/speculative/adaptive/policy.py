@@ -57,17 +57,17 @@ def prefix_length(r) -> int:
     """How many tokens the engine drafts for r this step ahead of the proposer's (``draft_prefix``, the text
     its grammar forces; see proposer.context_of). Every option of r verifies them, and they are counted as
     emitted: the grammar allows nothing else."""
-    return len(getattr(r, "draft_prefix", None) or ())
+    return len(r.draft_prefix)
 
 
 def _free_share(r) -> float:
     """The share of r's output that its grammar does not force (1 without a grammar), judged by its output so
     far and this step's forced text: only those tokens are drafted by the proposer, so only they repay a
     draft model's catch-up."""
-    forced = getattr(r, "num_forced", 0) + prefix_length(r)
+    forced = r.num_forced + prefix_length(r)
     if not forced:
         return 1.0
-    return max(0.05, 1.0 - forced / max(1, getattr(r, "num_output_tokens", 0) + prefix_length(r)))
+    return max(0.05, 1.0 - forced / max(1, r.num_output_tokens + prefix_length(r)))
 
 
 def _plain(r) -> StepOption:
@@ -232,7 +232,7 @@ class AdaptiveK:
             (r.spec.lookup_acceptance if lookup else r.spec.acceptance).rates(self.prior_of(r, lookup)))
         lag = 0
         if not lookup:
-            done = getattr(r, "draft_computed", 0)
+            done = r.draft_computed
             context = len(r.all_token_ids) + prefix_length(r)
             lag = context - done if done else context
         # The draft model's first pass feeds what it has not seen yet: one token after a step it drafted in,
@@ -294,7 +294,7 @@ class AdaptiveK:
         at once where answers run long, and where some are short, only after r has clearly outlived them
         (each answer that ended by itself stands for answers up to twice as long, _LEN_SPREAD). A request
         that outlives every one seen is taken to have _MIN_LEFT to go."""
-        done = getattr(r, "num_output_tokens", 0)
+        done = r.num_output_tokens
         lengths, cum = self._length_points()
         lo = bisect.bisect_right(lengths, done)  # the points r has not outlived
         if lo == len(lengths):
@@ -330,8 +330,8 @@ class AdaptiveK:
             return
         r.spec.finished = True
         keep = _LEN_WINDOW - 1
-        self._lengths = self._lengths[-keep:] + [getattr(r, "num_output_tokens", 0)]
-        self._capped = self._capped[-keep:] + [getattr(r, "finish_reason", None) == "length"]
+        self._lengths = self._lengths[-keep:] + [r.num_output_tokens]
+        self._capped = self._capped[-keep:] + [r.finish_reason == "length"]
         self._points = None
         r.spec.plan = None
 
