@@ -9,7 +9,7 @@ import torch
 from specdecode.layers.kernels.extension import _get_ext
 
 _LAYER_FIELDS = 6 + 4 * 7  # csrc/layer_stack.h: kLayerFields
-KEY_TILE = 16  # csrc/layer_stack.h: kKeyTile, the positions per KV cache block (engine.kv_cache.BLOCK_SIZE)
+KEY_TILE = 16  # csrc/layer_stack.h: kKeyTile, the positions per KV cache block (layers.paged_kv.BLOCK_SIZE)
 KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # csrc/layer_stack.h: KvFmt
 
 
