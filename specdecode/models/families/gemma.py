@@ -1,0 +1,88 @@
+"""Gemma 2 and Gemma 3 (text).
+
+What sets them apart from Llama (transformers' modeling_gemma2.py / modeling_gemma3.py):
+- sliding-window layers interleaved with global ones (``layer_types``);
+- RMSNorm scaling by (1 + w): folded into the weight once at load, the same float32 values HF computes per call;
+- norms after attention and after the MLP as well as before them (``sandwich_norms``);
+- embeddings times sqrt(hidden), queries scaled by query_pre_attn_scalar ** -0.5, GELU-tanh;
+- tanh soft-capping of attention scores and of the final logits (Gemma 2; optional in Gemma 3);
+- Gemma 3: q/k norms, and its own RoPE base for the sliding layers (rope_local_base_freq).
+"""
+from __future__ import annotations
+
+import torch
+
+from specdecode.models.families.base import Family, rename, rope_params
+from specdecode.models.families.llama import ATTENTION_MLP_RENAMES
+from specdecode.models.model import ModelArgs
+
+_GEMMA_RENAMES = ATTENTION_MLP_RENAMES + [
+    (r"^model\.layers\.(\d+)\.post_attention_layernorm\.", r"layers.\1.post_attn_norm."),
+    (r"^model\.layers\.(\d+)\.pre_feedforward_layernorm\.", r"layers.\1.mlp_norm."),
+    (r"^model\.layers\.(\d+)\.post_feedforward_layernorm\.", r"layers.\1.post_mlp_norm."),
+]
+
+
+def _sliding_layers(c: dict, family: str) -> tuple[bool, ...]:
+    """Which layers attend within the window: ``layer_types`` where the config has it, else the family's
+    default pattern (Gemma 2 alternates starting with a sliding layer; Gemma 3 has five sliding per global)."""
+    n = c["num_hidden_layers"]
+    types = c.get("layer_types")
+    if types:
+        unknown = set(types) - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise ValueError(f"Unsupported layer types {sorted(unknown)} in this {family} config.")
+        return tuple(t == "sliding_attention" for t in types)
+    every = 2 if family == "gemma2" else int(c.get("sliding_window_pattern", 6))
+    return tuple(bool((i + 1) % every) for i in range(n))
+
+
+def _gemma3_rope(c: dict) -> tuple[float, dict | None, float]:
+    """(global theta, global scaling, local theta): transformers 5 keeps one rope_parameters per layer type;
+    older configs have rope_theta, rope_scaling and rope_local_base_freq."""
+    rp = c.get("rope_parameters") or {}
+    full, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"RoPE scaling on Gemma 3's sliding layers ({local['rope_type']!r}) is not supported.")
+    theta = float(full.get("rope_theta") or c.get("rope_theta") or 1_000_000.0)
+    scaling = c.get("rope_scaling") or (full if full.get("rope_type", "default") != "default" else None)
+    return theta, scaling, float(local.get("rope_theta") or c.get("rope_local_base_freq") or 10_000.0)
+
+
+def gemma_args(c: dict, family: str) -> ModelArgs:
+    if c.get("use_bidirectional_attention"):
+        raise ValueError("Gemma 3 with bidirectional attention (an embedding model) is not a causal LM.")
+    heads, hidden = c["num_attention_heads"], c["hidden_size"]
+    if family == "gemma3":
+        theta, scaling, local_theta = _gemma3_rope(c)
+    else:
+        (theta, scaling), local_theta = rope_params(c), None
+    sliding = _sliding_layers(c, family)
+    window = c.get("sliding_window") if any(sliding) else None
+    return ModelArgs(
+        family=family, vocab_size=c["vocab_size"], hidden_size=hidden, num_layers=c["num_hidden_layers"],
+        num_heads=heads, num_kv_heads=c.get("num_key_value_heads") or heads,
+        head_dim=c.get("head_dim") or hidden // heads, intermediate_size=c["intermediate_size"],
+        max_position_embeddings=c.get("max_position_embeddings", 8192), norm_eps=c.get("rms_norm_eps", 1e-6),
+        rope_theta=theta, rope_scaling=scaling,
+        activation=c.get("hidden_activation") or c.get("hidden_act") or "gelu_pytorch_tanh",
+        qkv_bias=bool(c.get("attention_bias", False)), out_bias=bool(c.get("attention_bias", False)),
+        qk_norm=family == "gemma3", tie_embeddings=bool(c.get("tie_word_embeddings", True)),
+        bos_token_id=c.get("bos_token_id"), eos_token_id=c.get("eos_token_id"),
+        sliding_window=int(window) if window else None, sliding_layers=sliding if window else (),
+        local_rope_theta=local_theta if window else None,
+        attn_scale=float(c.get("query_pre_attn_scalar") or c.get("head_dim") or hidden // heads) ** -0.5,
+        attn_softcap=c.get("attn_logit_softcapping"), final_softcap=c.get("final_logit_softcapping"),
+        embed_scale=hidden ** 0.5, sandwich_norms=True)
+
+
+def map_gemma(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    new = rename(_GEMMA_RENAMES, name)
+    if new is None:
+        return []
+    if new.endswith("norm.weight"):
+        t = t.float() + 1.0  # Gemma's RMSNorm multiplies by (1 + w), computed in float32
+    return [(new, t)]
+
+
+GEMMA = Family(gemma_args, map_gemma)
