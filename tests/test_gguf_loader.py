@@ -208,7 +208,7 @@ def test_unsupported_architecture(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match=r"'mamba'.*supported: gpt2, llama, qwen2, qwen3"):
+    with pytest.raises(ValueError, match=r"'mamba'.*supported: gemma2, gemma3, gpt2, llama, qwen2, qwen3"):
         read_gguf(tmp_path / "m.gguf")
 
 

@@ -2,8 +2,9 @@
 models.model) and its checkpoint tensors onto our parameter names."""
 from __future__ import annotations
 
-from specdecode.models.families.base import Family
+from specdecode.models.families.base import Family, GGUFArch
 from specdecode.models.families.gemma import GEMMA
+from specdecode.models.families.gemma import GGUF_ARCHS as _GEMMA_GGUF
 from specdecode.models.families.gpt2 import GPT2
 from specdecode.models.families.llama import LLAMA
 from specdecode.models.families.opt import OPT
@@ -18,6 +19,9 @@ ARCHITECTURES: dict[str, str] = {
     "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
 }
 
+# GGUF architectures (llama.cpp's names) that differ from Llama's layout beyond models.gguf_loader's own table.
+GGUF_ARCHITECTURES: dict[str, GGUFArch] = {**_GEMMA_GGUF}
+
 
 def family_of(hf_config: dict) -> str:
     """Our family name for an HF config, from its ``architectures``."""
@@ -29,4 +33,4 @@ def family_of(hf_config: dict) -> str:
                      f"Supported architectures: {', '.join(sorted(ARCHITECTURES))}.")
 
 
-__all__ = ["ARCHITECTURES", "FAMILIES", "Family", "family_of"]
+__all__ = ["ARCHITECTURES", "FAMILIES", "Family", "GGUFArch", "GGUF_ARCHITECTURES", "family_of"]

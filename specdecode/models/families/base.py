@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -19,6 +19,15 @@ class Family:
     tensor into our parameters (none, one, or several for a fused tensor)."""
     make_args: Callable[[dict, str], ModelArgs]
     map_weight: WeightMap
+
+
+@dataclass
+class GGUFArch:
+    """How llama.cpp writes a family that models.gguf_loader otherwise reads as it reads Llama."""
+    hf_architecture: str
+    renames: dict[str, str]                         # per-block GGUF names -> HF names, beside or over Llama's
+    transform: Callable[[str], Callable[[torch.Tensor], torch.Tensor] | None]  # HF name -> its tensor's fix
+    config: Callable[[Callable[..., Any], dict], dict]  # (metadata getter, the Llama-style config) -> config
 
 
 def rope_params(c: dict) -> tuple[float, dict | None]:

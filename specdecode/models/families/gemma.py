@@ -10,9 +10,11 @@ What sets them apart from Llama (transformers' modeling_gemma2.py / modeling_gem
 """
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 
-from specdecode.models.families.base import Family, rename, rope_params
+from specdecode.models.families.base import Family, GGUFArch, rename, rope_params
 from specdecode.models.families.llama import ATTENTION_MLP_RENAMES
 from specdecode.models.model import ModelArgs
 
@@ -86,3 +88,40 @@ def map_gemma(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
 
 
 GEMMA = Family(gemma_args, map_gemma)
+
+
+# ---- GGUF, as llama.cpp's convert_hf_to_gguf.py writes Gemma (the names it shares with Llama map as Llama's)
+_GGUF_RENAMES = {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                 "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                 "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+
+
+def _gguf_transform(hf_name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    # llama.cpp stores the norms as 1 + w; back to HF's w (as transformers' GGUF loader does), so that
+    # map_gemma's 1 + w gives transformers' values bitwise
+    return (lambda t: t - 1) if hf_name.endswith("norm.weight") else None
+
+
+def _gguf_config(get: Callable[..., Any], c: dict) -> dict:
+    """The Gemma keys of an HF config from llama.cpp's metadata and defaults (llama.cpp's llama-model.cpp):
+    it stores no query_pre_attn_scalar (queries are scaled by head_dim ** -0.5, by (hidden / heads) ** -0.5 in
+    the 27B models), nor the layer pattern (every other layer slides in Gemma 2, five of six in Gemma 3), nor
+    Gemma 3's local RoPE base (10000)."""
+    gemma2 = c["model_type"] == "gemma2"
+    layers, hidden, heads = c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"]
+    big = layers == (46 if gemma2 else 62)
+    pattern = get("attention.sliding_window_pattern", 2 if gemma2 else 6)
+    sliding = ([bool(x) for x in pattern] if isinstance(pattern, list)
+               else [bool((i + 1) % int(pattern)) for i in range(layers)])
+    out = {**c, "hidden_activation": "gelu_pytorch_tanh", "sliding_window": get("attention.sliding_window"),
+           "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+           "query_pre_attn_scalar": hidden // heads if big else c["head_dim"],
+           "final_logit_softcapping": get("final_logit_softcapping", 30.0 if gemma2 else None),
+           "attn_logit_softcapping": get("attn_logit_softcapping", 50.0 if gemma2 else None)}
+    if not gemma2:
+        out["rope_local_base_freq"] = float(get("rope.freq_base_swa", 10_000.0))
+    return out
+
+
+GGUF_ARCHS = {arch: GGUFArch(cls, _GGUF_RENAMES, _gguf_transform, _gguf_config)
+              for arch, cls in (("gemma2", "Gemma2ForCausalLM"), ("gemma3", "Gemma3ForCausalLM"))}
