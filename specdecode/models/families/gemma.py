@@ -123,5 +123,20 @@ def _gguf_config(get: Callable[..., Any], c: dict) -> dict:
     return out
 
 
-GGUF_ARCHS = {arch: GGUFArch(cls, _GGUF_RENAMES, _gguf_transform, _gguf_config)
+# Gemma's turn format, as in the chat template of Google's Gemma 2 and 3 tokenizers (a system message opens the
+# first user turn; the assistant is "model"), for GGUF files converted without it (the Gemma 3 270M package).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set prefix = messages[0]['content'] + '\n\n' -%}{%- set turns = messages[1:] -%}"
+    "{%- else -%}{%- set prefix = '' -%}{%- set turns = messages -%}{%- endif -%}"
+    "{%- for m in turns -%}"
+    "{%- set text = m['content'] if m['content'] is string else m['content'] | selectattr('type', 'equalto', 'text')"
+    " | map(attribute='text') | join('') -%}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n'"
+    " + (prefix if loop.first else '') + (text | trim) + '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}")
+
+GGUF_ARCHS = {arch: GGUFArch(cls, _GGUF_RENAMES, _gguf_transform, _gguf_config, CHAT_TEMPLATE)
               for arch, cls in (("gemma2", "Gemma2ForCausalLM"), ("gemma3", "Gemma3ForCausalLM"))}
