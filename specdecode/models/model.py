@@ -274,5 +274,6 @@ class CausalLM(nn.Module):
                 logits = self.lm_head(x)
             cap = self.args.final_softcap
             if cap is not None:  # elementwise: a row's values do not depend on the other rows
-                logits = torch.tanh(logits / cap) * cap
+                # -inf (ids a truncated draft head cannot propose) stays -inf rather than becoming -cap
+                logits = torch.where(logits == float("-inf"), logits, torch.tanh(logits / cap) * cap)
             return logits.float()
