@@ -86,6 +86,40 @@ def test_logits_match_transformers(fam, models, hf):
     assert want.std().item() > 0.1
 
 
+def test_multimodal_gemma3_checkpoint_loads_its_language_model(tmp_path, one_thread):
+    """Gemma3ForConditionalGeneration (Gemma 3 4B and larger) runs as its text model: transformers' logits and
+    greedy tokens for text prompts, the vision tower left out."""
+    import transformers as T
+
+    torch.manual_seed(3)
+    text = T.Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=16, vocab_size=512, sliding_window=WINDOW,
+                              layer_types=["sliding_attention", "full_attention"])
+    vision = T.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                  image_size=32, patch_size=8)
+    cfg = T.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                         image_token_index=500, boi_token_index=501, eoi_token_index=502)
+    mm = T.Gemma3ForConditionalGeneration(cfg)
+    with torch.no_grad():  # sharper than the random init, as tiny.build_model does
+        for name, p in mm.named_parameters():
+            if "language_model" in name:
+                p.mul_(3.0) if p.dim() == 2 else p.normal_(0.0, 0.5)
+    mm.save_pretrained(str(tmp_path))
+    model = _hf_model(tmp_path)
+    ids = _prompt(512, n=30)
+    assert _hf_logits(model, ids).std().item() > 0.1
+    loaded = load_model(tmp_path, "float32", "cpu", 256, None)
+    assert not any(n.startswith(("vision", "multi_modal")) for n, _ in loaded.model.named_parameters())
+    runner = ModelRunner(loaded, 1, 256, "cpu", kv_cache_dtype="float32")
+    diff = (runner.forward_rows([(0, 0, ids)], all_logits=True)[0] - _hf_logits(model, ids)).abs().max().item()
+    assert diff < LOGITS_TOL
+    from tiny import build_tokenizer
+
+    build_tokenizer(tmp_path)
+    llm = LLM(str(tmp_path), max_model_len=128)
+    assert _ours(llm, [ids]) == [_hf_greedy(model, ids, N_GREEDY)]
+
+
 def _ours(llm, prompts, **kw) -> list[list[int]]:
     return gen_ids(llm, prompts, max_tokens=N_GREEDY, **GREEDY, **kw)
 

@@ -16,7 +16,7 @@ FAMILIES: dict[str, Family] = {
 ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3", "OPTForCausalLM": "opt", "GPT2LMHeadModel": "gpt2",
-    "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+    "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3",
 }
 
 # GGUF architectures (llama.cpp's names) that differ from Llama's layout beyond models.gguf_loader's own table.

@@ -7,9 +7,13 @@ What sets them apart from Llama (transformers' modeling_gemma2.py / modeling_gem
 - embeddings times sqrt(hidden), queries scaled by query_pre_attn_scalar ** -0.5, GELU-tanh;
 - tanh soft-capping of attention scores and of the final logits (Gemma 2; optional in Gemma 3);
 - Gemma 3: q/k norms, and its own RoPE base for the sliding layers (rope_local_base_freq).
+
+Gemma 3's multimodal checkpoints (Gemma3ForConditionalGeneration: the 4B and larger) load as their text model:
+its config is their ``text_config``, its tensors those under ``language_model``; the vision tower is left out.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
 
 import torch
@@ -52,6 +56,8 @@ def _gemma3_rope(c: dict) -> tuple[float, dict | None, float]:
 
 
 def gemma_args(c: dict, family: str) -> ModelArgs:
+    if "text_config" in c:  # a multimodal checkpoint: its language model
+        c = {**c["text_config"], "architectures": c.get("architectures")}
     if c.get("use_bidirectional_attention"):
         raise ValueError("Gemma 3 with bidirectional attention (an embedding model) is not a causal LM.")
     heads, hidden = c["num_attention_heads"], c["hidden_size"]
@@ -78,7 +84,12 @@ def gemma_args(c: dict, family: str) -> ModelArgs:
         embed_scale=hidden ** 0.5, sandwich_norms=True)
 
 
+# The language model's tensors in a multimodal checkpoint, as saved by transformers 4 and 5.
+_LANGUAGE_MODEL = re.compile(r"^(language_model\.model\.|model\.language_model\.|language_model\.(?=lm_head\.))")
+
+
 def map_gemma(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    name = _LANGUAGE_MODEL.sub(lambda m: "" if m.group(0) == "language_model." else "model.", name)
     new = rename(_GEMMA_RENAMES, name)
     if new is None:
         return []
