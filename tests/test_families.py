@@ -145,18 +145,9 @@ def test_greedy_matches_transformers_plain_speculative_and_batched(fam, models, 
 def test_compiled_rows_stay_invariant(fam, models, one_thread):
     """--compile: the Python layers compiled (both RoPE tables marked dynamic in Gemma 3) still give a row the
     same logits decoded alone or verified with others, close to eager."""
-    ids = _prompt(512, n=30)
-    out = {}
-    for mode in ("eager", "compiled"):
-        r = ModelRunner(load_model(models[fam], "float32", "cpu", 64, None), 1, 64, "cpu")
-        if mode == "compiled":
-            r.model.compile_decode()
-        r.prefill(0, ids[:16])
-        one_by_one = torch.cat([r.forward_rows([(0, 16 + i, [t])], all_logits=True)[0]
-                                for i, t in enumerate(ids[16:])])
-        together = r.forward_rows([(0, 16, ids[16:])], all_logits=True)[0]
-        assert torch.equal(one_by_one, together), mode
-        out[mode] = together
+    from test_compile import eager_and_compiled_rows
+
+    out = eager_and_compiled_rows(models[fam], None, _prompt(512, n=30))
     assert (out["eager"] - out["compiled"]).abs().max().item() < 1e-3
 
 
