@@ -11,12 +11,12 @@ from specdecode.engine.model_runner import ModelRunner
 from specdecode.models.loader import load_model
 
 
-@pytest.mark.parametrize("fam,quantization", [("gpt2", None), ("llama", "w8a8")])
-def test_compiled_rows_are_invariant_and_match_eager(fam, quantization, tiny_models):
-    ids = torch.randint(5, 500, (22,), generator=torch.Generator().manual_seed(0)).tolist()
+def eager_and_compiled_rows(path, quantization: str | None, ids: list[int]) -> dict[str, torch.Tensor]:
+    """The logits of ids[16:] after a prefill of ids[:16], eager and compiled; each mode gives a row the same
+    logits decoded one by one or verified together."""
     out = {}
     for mode in ("eager", "compiled"):
-        r = ModelRunner(load_model(tiny_models[fam], "float32", "cpu", 64, quantization), 1, 64, "cpu")
+        r = ModelRunner(load_model(path, "float32", "cpu", 64, quantization), 1, 64, "cpu")
         r.model.fused_layers = False  # llama would otherwise take the C++ layer stack, which compile leaves be
         if mode == "compiled":
             r.model.compile_decode()
@@ -26,6 +26,13 @@ def test_compiled_rows_are_invariant_and_match_eager(fam, quantization, tiny_mod
         together = r.forward_rows([(0, 16, ids[16:])], all_logits=True)[0]
         assert torch.equal(one_by_one, together), mode
         out[mode] = together
+    return out
+
+
+@pytest.mark.parametrize("fam,quantization", [("gpt2", None), ("llama", "w8a8")])
+def test_compiled_rows_are_invariant_and_match_eager(fam, quantization, tiny_models):
+    ids = torch.randint(5, 500, (22,), generator=torch.Generator().manual_seed(0)).tolist()
+    out = eager_and_compiled_rows(tiny_models[fam], quantization, ids)
     # Compiled elementwise code may round differently from eager (and int8 activations can then land one
     # step apart), but not by much.
     tol = 1e-3 if quantization is None else 5e-2

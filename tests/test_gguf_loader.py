@@ -179,7 +179,7 @@ def test_tiny_roundtrip_is_exact(tmp_path, arch, tied):
 
 def test_tiny_llama_loads_in_engine_family_mapping(tmp_path):
     """The config and names are what the engine's model table expects (no tensor left unmapped)."""
-    from specdecode.models.model import FAMILIES, family_of
+    from specdecode.models.families import FAMILIES, family_of
 
     sd = _tiny_state_dict("llama", tied=False)
     g = read_gguf(write_tiny_gguf(tmp_path / "tiny.gguf", "llama", sd))
@@ -209,7 +209,7 @@ def test_unsupported_architecture(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match=r"'mamba'.*supported: gpt2, llama, qwen2, qwen3"):
+    with pytest.raises(ValueError, match=r"'mamba'.*supported: gemma2, gemma3, gpt2, llama, qwen2, qwen3"):
         read_gguf(tmp_path / "m.gguf")
 
 

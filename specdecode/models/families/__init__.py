@@ -1,0 +1,36 @@
+"""The model families: one module each maps its HF config onto the shared decoder's switches (ModelArgs,
+models.model) and its checkpoint tensors onto our parameter names."""
+from __future__ import annotations
+
+from specdecode.models.families.base import Family, GGUFArch
+from specdecode.models.families.gemma import GEMMA
+from specdecode.models.families.gemma import GGUF_ARCHS as _GEMMA_GGUF
+from specdecode.models.families.gpt2 import GPT2
+from specdecode.models.families.llama import LLAMA
+from specdecode.models.families.opt import OPT
+
+FAMILIES: dict[str, Family] = {
+    "llama": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA, "opt": OPT, "gpt2": GPT2, "gemma2": GEMMA, "gemma3": GEMMA,
+}
+
+ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3", "OPTForCausalLM": "opt", "GPT2LMHeadModel": "gpt2",
+    "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3",
+}
+
+# GGUF architectures (llama.cpp's names) that differ from Llama's layout beyond models.gguf_loader's own table.
+GGUF_ARCHITECTURES: dict[str, GGUFArch] = {**_GEMMA_GGUF}
+
+
+def family_of(hf_config: dict) -> str:
+    """Our family name for an HF config, from its ``architectures``."""
+    archs = hf_config.get("architectures") or []
+    for a in archs:
+        if a in ARCHITECTURES:
+            return ARCHITECTURES[a]
+    raise ValueError(f"Unsupported model architecture {archs or hf_config.get('model_type')!r}. "
+                     f"Supported architectures: {', '.join(sorted(ARCHITECTURES))}.")
+
+
+__all__ = ["ARCHITECTURES", "FAMILIES", "Family", "GGUFArch", "GGUF_ARCHITECTURES", "family_of"]
