@@ -3,10 +3,12 @@ auth, shutdown, and a malformed-input suite against the real server."""
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import math
 import signal
 import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -94,7 +96,8 @@ def url(hard_kwargs):
 REFERENCE = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
 
 
-def _stream_tokens(url: str, prompt: str, max_tokens: int, gaps: list | None = None) -> str:
+def _stream_tokens(url: str, prompt: str, max_tokens: int, gaps: list | None = None,
+                   started: threading.Event | None = None) -> str:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True}
     text, last = [], None
@@ -110,6 +113,8 @@ def _stream_tokens(url: str, prompt: str, max_tokens: int, gaps: list | None = N
             ev = json.loads(line[6:])
             assert "error" not in ev, ev
             text.append(ev["choices"][0]["text"])
+            if started is not None:
+                started.set()
     return "".join(text)
 
 
@@ -121,8 +126,9 @@ STREAM_PROMPTS = [f"stream {i} begins with" for i in range(6)]
 def test_bad_request_among_six_streams(url, bad):
     alone = [_stream_tokens(url, p, 40) for p in STREAM_PROMPTS]
     with ThreadPoolExecutor(6) as pool:
-        futs = [pool.submit(_stream_tokens, url, p, 40) for p in STREAM_PROMPTS]
-        time.sleep(0.3)
+        started = [threading.Event() for _ in STREAM_PROMPTS]
+        futs = [pool.submit(_stream_tokens, url, p, 40, None, e) for p, e in zip(STREAM_PROMPTS, started)]
+        assert all(e.wait(120) for e in started)  # the bad request arrives while all six run
         body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 4, **bad}).replace('"NaN"', "NaN")
         err = _err(httpx.post(f"{url}/v1/completions", content=body, headers={"content-type": "application/json"}),
                    400)
@@ -141,9 +147,9 @@ def test_n_beyond_the_waiting_limit_is_400_and_idle_server_takes_eight(url):
 
 
 def test_huge_prompt_is_rejected_fast_without_stalling_streams(tiny_models):
-    """Default limits, the real server process: a 20 MB prompt gets its error in well under 2 s, and running
-    streams see no gap near that long; a prompt under the body limit but too long for the context is refused
-    before it is tokenized."""
+    """Default limits, the real server process: a 20 MB prompt gets its error while two running streams are
+    still generating, and they see no gap near 2 s; a prompt under the body limit but too long for the context
+    is refused before it is tokenized."""
     port = _free_port()
     proc = subprocess.Popen(_server_cmd("--model", str(tiny_models["llama"]), "--speculative-model", "[ngram]",
                                         "--num-speculative-tokens", "3", "--port", str(port), "--max-model-len",
@@ -154,15 +160,16 @@ def test_huge_prompt_is_rejected_fast_without_stalling_streams(tiny_models):
         _wait_healthy(proc, url)
         gaps: list[float] = []
         with ThreadPoolExecutor(3) as pool, httpx.Client(timeout=60) as h:
-            futs = [pool.submit(_stream_tokens, url, f"story {i}", 200, gaps) for i in range(2)]
-            time.sleep(0.5)
+            started = [threading.Event() for _ in range(2)]
+            futs = [pool.submit(_stream_tokens, url, f"story {i}", 400, gaps, e) for i, e in enumerate(started)]
+            assert all(e.wait(120) for e in started)
             for prompt, status in (("ab" * 10 * 1024 * 1024, 413), ("ab" * 2 * 1024 * 1024, 400)):
                 payload = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 4}).encode()
-                t0 = time.perf_counter()
                 r = h.post(f"{url}/v1/completions", content=payload, headers={"content-type": "application/json"})
-                took = time.perf_counter() - t0
                 _err(r, status)
-                assert took < 2.0, (status, took)
+                # Answered within the streams' run, not after it: measured against the engine's own pace on
+                # this machine, not a wall-clock bound (the streams' 400 tokens take several times longer).
+                assert not any(f.done() for f in futs), (status, "the streams finished first")
             for f in futs:
                 f.result(timeout=120)
         assert gaps and max(gaps) < 2.0, max(gaps)
@@ -252,14 +259,21 @@ def test_no_content_type_is_json_and_slow_body_times_out(url):
     _err(httpx.post(f"{url}/v1/completions", content=b'{"prompt": "\xff\xfe"}',
                     headers={"content-type": "application/json"}), 400, "invalid_json")
 
-    def slow():
-        yield b'{"model": "tiny-llama", '
-        time.sleep(3.0)  # the test server's body timeout is 2 s
-        yield b'"prompt": "x"}'
-    with contextlib.suppress(httpx.HTTPError):  # the server may close before the client is done sending
-        r = httpx.post(f"{url}/v1/completions", content=slow(), headers={"content-type": "application/json"},
-                       timeout=10)
-        _err(r, 408, "request_timeout")
+    # A body that stalls after its first chunk: the client sends no more until the server has answered (its
+    # body timeout is 2 s), so the stall outlasts the timeout however slowly either side runs.
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.putrequest("POST", "/v1/completions")
+        conn.putheader("content-type", "application/json")
+        conn.putheader("transfer-encoding", "chunked")
+        conn.endheaders()
+        part = b'{"model": "tiny-llama", '
+        conn.send(b"%x\r\n%s\r\n" % (len(part), part))
+        stalled = conn.getresponse()  # blocks until the server answers or closes
+        _err(httpx.Response(stalled.status, content=stalled.read()), 408, "request_timeout")
+    finally:
+        conn.close()
 
 
 # ---------------------------------------------------------------- the malformed-input suite

@@ -196,6 +196,7 @@ _CHILD = """
 import hashlib, sys, time
 from pathlib import Path
 go = Path(sys.argv[2])
+print("ready", flush=True)
 while not go.exists():
     time.sleep(0.01)
 from specdecode.models.loader import load_model
@@ -215,7 +216,8 @@ def test_concurrent_writers_never_corrupt(tiny_models, cache, tmp_path):
     procs = [subprocess.Popen([sys.executable, "-c", _CHILD, str(path), str(go), str(Path(__file__).parent)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for _ in range(3)]
-    time.sleep(2.0)  # let them all get to the start line
+    for p in procs:  # all at the start line before the race begins
+        assert p.stdout.readline() == "ready\n", p.communicate()[1][-2000:]
     go.touch()
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]

@@ -25,6 +25,7 @@ with warnings.catch_warnings():  # Ray Serve's pydantic models warn about pydant
 
     from specdecode.entrypoints.ray.serve import (REPLICA_HEADER, app_builder, build_app, routing_text,  # noqa: E402
                                                   serve_from_args)
+    from specdecode.entrypoints.ray.deployments import _METRICS_PUSH_S  # noqa: E402
 from specdecode.entrypoints.openai.api_server import build_app as build_single_app  # noqa: E402
 from test_server import serve as serve_in_thread  # noqa: E402
 
@@ -159,6 +160,21 @@ def _wait_metric(url: str, name: str, want: float, timeout: float = 20.0) -> flo
     return got
 
 
+def _settled_metric(url: str, name: str, timeout: float = 60.0) -> float:
+    """The metric once it has stopped changing for three of the replicas' push intervals: with no request in
+    flight, every replica's counters are final, and each push carries a whole snapshot of them."""
+    quiet = 3 * _METRICS_PUSH_S + 0.5
+    deadline = time.time() + timeout
+    got, since = _metric(url, name), time.time()
+    while time.time() - since < quiet:
+        assert time.time() < deadline, f"{name} kept changing"
+        time.sleep(0.25)
+        now = _metric(url, name)
+        if now != got:
+            got, since = now, time.time()
+    return got
+
+
 # ---------------------------------------------------------------- builders and command line (no Ray start)
 def test_builders_check_settings_first(engine_kwargs, monkeypatch, capsys):
     spec = json.dumps(engine_kwargs["speculative_config"])
@@ -282,8 +298,7 @@ def test_busy_owner_spills_to_the_other_replica(ray_app):
 def test_metrics_sum_the_replicas(ray_app, ray_client, single_url):
     assert _wait_metric(ray_app.url, "specdecode:ray_replicas_reporting", 2) == 2
     name = "specdecode:spec_decode_num_draft_tokens_total"
-    time.sleep(1.5)  # earlier requests' counters are pushed
-    before = _metric(ray_app.url, name)
+    before = _settled_metric(ray_app.url, name)  # earlier requests' counters have all been pushed
     drafted, replicas = 0, set()
     for i in range(16):  # short prompts: power of two choices, so both replicas serve some
         rid, r = _replica_of(ray_client, prompt=f"{i} abc abc abc abc abc abc", max_tokens=16)
@@ -304,8 +319,7 @@ def test_metrics_sum_the_replicas(ray_app, ray_client, single_url):
 # ---------------------------------------------------------------- faults
 def test_replica_killed_mid_stream(ray_app, ray_client):
     counter = "specdecode:generation_tokens_total"
-    time.sleep(1.5)
-    tokens_before = _metric(ray_app.url, counter)
+    tokens_before = _settled_metric(ray_app.url, counter)
     body = {"model": MODEL, "prompt": "Once upon", "max_tokens": MAX_LEN - 16, "ignore_eos": True,
             "temperature": 0, "stream": True}
     events = []
