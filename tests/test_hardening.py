@@ -431,3 +431,17 @@ def test_openai_client_sees_400s(url):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
     with pytest.raises(openai.BadRequestError, match="repetition_penalty"):
         client.completions.create(model=MODEL, prompt="x", temperature=1, extra_body={"repetition_penalty": 1e-39})
+
+
+def test_a_405_names_the_allowed_methods(url):
+    r = httpx.get(f"{url}/v1/completions", timeout=30)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    assert r.headers.get("allow") == "POST"
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize", "/v1/completions"])
+def test_deeply_nested_json_is_a_400_on_every_route(url, path):
+    body = "[" * 100_000 + "]" * 100_000
+    r = httpx.post(f"{url}{path}", content=body, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "invalid_json"

@@ -99,7 +99,8 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> Callable[[APIEr
     async def _http(_: Request, exc: StarletteHTTPException):
         # FastAPI raises a 400 itself only for a body it could not decode (bad UTF-8, a number too long to read)
         code = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return error_response(APIError(exc.status_code, str(exc.detail), code=code))
+        # the exception's headers carry what the client needs, e.g. a 405's Allow
+        return error_response(APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):
