@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         eng.calibrate_costs(refresh=True)
         print(f"# recalibrated in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    ids = [eng.encode_prompt(apply_chat_template(eng.tokenizer, [{"role": "user", "content": q}])) for q in mixed]
+    ids = [eng.input_processor.encode_prompt(apply_chat_template(eng.tokenizer, [{"role": "user", "content": q}])) for q in mixed]
     print(f"# {len(ids)} prompts, lengths {min(map(len, ids))}-{max(map(len, ids))}, "
           f"spec on = {spec_on!r}", file=sys.stderr)
     # Warm-up: both configs once (kernels, the draft's truncated head, the calibration cache).

@@ -183,12 +183,12 @@ def test_prompt_length_bound_reads_the_vocabulary_only_for_long_prompts(tiny_mod
     2 * max_model_len characters, which every bound is at least; shorter ones go straight to the tokenizer."""
     engine = LLMEngine.from_kwargs(model=str(tiny_models["llama"]), max_model_len=64,
                                    speculative_config={"method": "none"}, num_threads=1)
-    assert engine.encode_prompt("hello there")
+    assert engine.input_processor.encode_prompt("hello there")
     assert "max_prompt_chars" not in engine.input_processor.__dict__  # the vocabulary was not read
     with pytest.raises(ValueError, match="tokens, but max_model_len is 64"):
-        engine.encode_prompt("ab " * 60)  # 180 characters: under the bound, too many tokens
+        engine.input_processor.encode_prompt("ab " * 60)  # 180 characters: under the bound, too many tokens
     with pytest.raises(ValueError, match="characters, more than 64 tokens"):
-        engine.encode_prompt("x" * (engine.input_processor.max_prompt_chars + 1))
+        engine.input_processor.encode_prompt("x" * (engine.input_processor.max_prompt_chars + 1))
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str) -> None:

@@ -405,7 +405,7 @@ class BenchRunner:
 
         if self.use_chat:
             text = apply_chat_template(self.engine.tokenizer, [{"role": "user", "content": text}])
-        return self.engine.encode_prompt(text)
+        return self.engine.input_processor.encode_prompt(text)
 
     def _params(self, index: int, max_tokens: int):
         from specdecode.sampling_params import SamplingParams

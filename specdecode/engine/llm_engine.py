@@ -208,11 +208,6 @@ class LLMEngine:
         return cls(EngineConfig.from_kwargs(**kw))
 
     # ---- requests ----
-    def encode_prompt(self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None = None,
-                      suffix: str | None = None, truncate: int | None = None) -> list[int]:
-        """The token ids a prompt feeds the model (``InputProcessor.encode_prompt``)."""
-        return self.input_processor.encode_prompt(prompt, prompt_token_ids, suffix, truncate)
-
     def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams | None = None,
                     prompt_token_ids: list[int] | None = None, prediction_token_ids: list[int] | None = None) -> None:
         """``prediction_token_ids``: params.prediction already tokenized (``InputProcessor.encode_prediction``),

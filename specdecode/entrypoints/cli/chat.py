@@ -42,7 +42,7 @@ def _encode(engine, system: list[dict], history: list[dict], raw: bool) -> list[
     while True:
         try:
             text = history[-1]["content"] if raw else apply_chat_template(engine.tokenizer, system + history)
-            ids = engine.encode_prompt(text)
+            ids = engine.input_processor.encode_prompt(text)
             if len(ids) + 1 >= engine.max_model_len:
                 raise ValueError("too long")
             return ids

@@ -143,7 +143,7 @@ def run(args) -> int:
     else:
         text = prompt
     try:
-        ids = engine.encode_prompt(text, suffix=suffix)
+        ids = engine.input_processor.encode_prompt(text, suffix=suffix)
     except ValueError as e:
         if fim and str(e).startswith("suffix"):
             raise CLIError(f"{fim}: {e}") from None
