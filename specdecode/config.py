@@ -420,26 +420,52 @@ class EngineConfig:
         return cls(speculative=speculative, **engine)
 
 
+def _vocab_parts(tok) -> tuple[dict[str, int], dict[str, int]]:
+    """(base vocabulary, added tokens) of a tokenizer, each as token -> id."""
+    added = {str(t): i for i, t in tok.added_tokens_decoder.items()}
+    return {k: v for k, v in tok.get_vocab().items() if k not in added}, added
+
+
+def _some(tokens: set[str], n: int = 3) -> str:
+    return ", ".join(repr(t) for t in sorted(tokens)[:n]) + (", ..." if len(tokens) > n else "")
+
+
+# A draft step must cost well under a target step for speculation to pay: above this parameter ratio it cannot.
+DRAFT_SIZE_LIMIT = 0.5
+
+
 def check_draft_compatible(target_tok, draft_tok, target_params: int, draft_params: int,
-                           target_vocab: int, draft_vocab: int) -> None:
-    """Target and draft must tokenize identically; a draft larger than the target is almost surely a mistake.
-    ``draft_tok`` None: the draft's tokenizer files are the target's (tokenizer.same_tokenizer_files)."""
-    vocab_size = len(target_tok)
+                           target_vocab: int, draft_vocab: int, target_name: str = "the target",
+                           draft_name: str = "the draft") -> None:
+    """Target and draft must tokenize identically. Where only their added special tokens differ, the draft still
+    works (the target verifies every token) and a warning says so; a draft that is not much smaller than the
+    target gets a warning that it cannot pay. ``draft_tok`` None: the draft's tokenizer files are the target's
+    (tokenizer.same_tokenizer_files)."""
+    ids = max(target_tok.get_vocab().values(), default=-1) + 1
     if draft_tok is not None:
-        tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
-        if tv != dv:
-            only_t = len(set(tv.items()) - set(dv.items()))
-            only_d = len(set(dv.items()) - set(tv.items()))
-            raise ValueError(f"The draft model's tokenizer does not match the target's ({only_t} target and {only_d} "
-                             f"draft vocabulary entries differ; sizes {len(tv)} vs {len(dv)}). Speculative decoding "
-                             "needs the same tokenizer: pick a draft from the same model family, or use "
-                             "speculative_model='[ngram]'.")
-        vocab_size = len(tv)
+        (tb, ta), (db, da) = _vocab_parts(target_tok), _vocab_parts(draft_tok)
+        if tb != db:
+            differ = {k for k in tb.keys() | db.keys() if tb.get(k) != db.get(k)}
+            raise ValueError(f"The draft model {draft_name} does not share the tokenizer of the target model "
+                             f"{target_name}: {len(differ)} vocabulary entries differ (for example {_some(differ)}; "
+                             f"sizes {len(tb)} and {len(db)}). Speculative decoding needs the same tokenizer: pick a "
+                             "draft from the target's family, or use speculative_model='[ngram]'.")
+        if ta != da:
+            only_t = {k for k in ta if da.get(k) != ta[k]}
+            only_d = {k for k in da if ta.get(k) != da[k]}
+            logger.warning("The draft model %s and the target %s differ only in added special tokens (the target's "
+                           "%s; the draft's %s). Speculating anyway: the target verifies every token.", draft_name,
+                           target_name, _some(only_t) or "none", _some(only_d) or "none")
+        ids = max(ids, max(draft_tok.get_vocab().values(), default=-1) + 1)
     # Embedding rows beyond the tokenizer's vocabulary are padding and may differ between the two.
-    if min(target_vocab, draft_vocab) < vocab_size:
-        raise ValueError(f"A model's embedding table ({min(target_vocab, draft_vocab)} rows) is smaller than the "
-                   f"tokenizer vocabulary ({vocab_size}).")
-    if draft_params > target_params:
-        logger.warning("The draft model (%.1fM parameters) is larger than the target (%.1fM parameters); "
-                       "speculation will be slower than plain decoding.", draft_params / 1e6, target_params / 1e6)
+    if min(target_vocab, draft_vocab) < ids:
+        which = draft_name if draft_vocab < target_vocab else target_name
+        raise ValueError(f"The embedding table of {which} ({min(target_vocab, draft_vocab)} rows) is smaller than "
+                         f"the token ids the two tokenizers use (0..{ids - 1}).")
+    if draft_params > DRAFT_SIZE_LIMIT * target_params:
+        size = "larger than" if draft_params > target_params else "not much smaller than"
+        logger.warning("The draft model %s (%.1fM parameters) is %s the target %s (%.1fM parameters): its steps "
+                       "cost about as much as the target's, so speculation cannot pay and will be slower than plain "
+                       "decoding. Use a draft a few times smaller, or --spec-type ngram.", draft_name,
+                       draft_params / 1e6, size, target_name, target_params / 1e6)
 

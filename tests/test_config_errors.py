@@ -103,6 +103,57 @@ def test_draft_larger_than_target_warns(one_thread, tiny_models, tiny_draft):
     assert any("larger" in m and len(re.findall(r"\d+(?:\.\d+)?M", m)) >= 2 for m in msgs), msgs
 
 
+def _warnings_of(fn) -> list[str]:
+    """The warnings the "specdecode" logger gives while fn() runs (our own handler: caplog relies on propagation
+    to the root logger, which a CLI run in the same process may have turned off)."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    log = logging.getLogger("specdecode")
+    log.addHandler(handler)
+    try:
+        fn()
+    finally:
+        log.removeHandler(handler)
+    return [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+
+
+def test_draft_not_much_smaller_warns(one_thread, tiny_models, tiny_dir):
+    """A draft the target's own size cannot pay: the warning says so and names both models."""
+    same = copy_model(tiny_models["llama"], tiny_dir / "llama_same_size_draft")
+    msgs = _warnings_of(lambda: LLM(str(tiny_models["llama"]), speculative_model=str(same),
+                                    num_speculative_tokens=2, max_model_len=64))
+    assert any("not much smaller" in m and "cannot pay" in m and str(same) in m and str(tiny_models["llama"]) in m
+               for m in msgs), msgs
+
+
+def test_draft_differing_only_in_added_special_tokens_works_with_a_warning(one_thread, tiny_models, tiny_dir):
+    """Only the added special tokens differ: the pair loads with a warning naming the tokens, and greedy output is
+    plain decoding's (the target verifies every token)."""
+    from transformers import AutoTokenizer
+
+    d = copy_model(tiny_models["llama"], tiny_dir / "llama_extra_special_draft")
+    tok = AutoTokenizer.from_pretrained(str(d))
+    tok.add_special_tokens({"additional_special_tokens": ["<|tool_call|>"]})
+    tok.save_pretrained(str(d))
+    llm = []
+    msgs = _warnings_of(lambda: llm.append(LLM(str(tiny_models["llama"]), speculative_model=str(d),
+                                               num_speculative_tokens=3, max_model_len=64)))
+    assert any("only in added special tokens" in m and "<|tool_call|>" in m for m in msgs), msgs
+    plain = LLM(str(tiny_models["llama"]), max_model_len=64)
+    p = dict(max_tokens=12, **GREEDY)
+    assert gen_ids(llm[0], PROMPTS[:2], **p) == gen_ids(plain, PROMPTS[:2], **p)
+
+
+def test_mismatched_draft_is_one_clear_line_on_the_command_line(tiny_models, other_tokenizer_draft):
+    from test_cli import assert_one_line_error, run_cli
+
+    p = run_cli("generate", "-m", tiny_models["llama"], "-md", other_tokenizer_draft, "-p", "hi", "-n", "2")
+    assert_one_line_error(p, "does not share the tokenizer", str(tiny_models["llama"]), str(other_tokenizer_draft))
+
+
 @pytest.mark.parametrize("k", [0, 17, -1])
 def test_k_out_of_range(k, tiny_models):
     for kw in (dict(speculative_model="[ngram]", num_speculative_tokens=k),

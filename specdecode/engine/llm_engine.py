@@ -94,7 +94,8 @@ class LLMEngine:
             same = same_tokenizer_files(target_path, target.is_gguf, draft_path, draft.is_gguf)
             check_draft_compatible(self.tokenizer, None if same else load_tokenizer(draft_path, draft.is_gguf),
                                    target.model.param_count(), draft.model.param_count(),
-                                   target.model.args.vocab_size, draft.model.args.vocab_size)
+                                   target.model.args.vocab_size, draft.model.args.vocab_size,
+                                   str(target_path), str(draft_path))
             self.draft_path = draft_path
         # One pool of KV blocks for the target's cache and the draft's, sized by the KV memory budget.
         self.pool = self._block_pool([m.model for m in (target, draft) if m is not None])
