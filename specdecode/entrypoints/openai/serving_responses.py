@@ -1,0 +1,2 @@
+def register(app, **serving_args):
+    pass
