@@ -10,6 +10,7 @@ import pytest
 
 from helpers_spec import one_thread, sharp_draft, sharp_target  # noqa: F401  (fixtures)
 from test_server import scrape, serve
+from test_tools import PARAMS as SCHEMAS, UNITS, WEATHER
 
 anthropic = pytest.importorskip("anthropic")
 jsonschema = pytest.importorskip("jsonschema")
@@ -19,14 +20,8 @@ MODEL = "tiny"
 # extra body fields, and the server takes them.
 GREEDY = {"temperature": 0}
 KEY = "sk-test-key"
-WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
-                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-           "required": ["city", "days"], "additionalProperties": False}
-UNITS = {"type": "object", "properties": {"unit": {"enum": ["C", "F"]}}, "required": ["unit"],
-         "additionalProperties": False}
 TOOLS = [{"name": "get_weather", "description": "forecast", "input_schema": WEATHER},
          {"name": "set_units", "input_schema": UNITS}]
-SCHEMAS = {"get_weather": WEATHER, "set_units": UNITS}
 SYSTEM = "You are a terse assistant that answers about the weather. " * 4
 TURNS = [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": "Rain, 12 degrees."},
          {"role": "user", "content": "And in Paris?"}]
@@ -248,6 +243,12 @@ def test_other_errors_keep_anthropics_shape(url, client):
     _anthropic_err(httpx.post(f"{url}/v1/messages", content=b"{not json", headers=headers), 400,
                    "invalid_request_error")
     _anthropic_err(httpx.post(f"{url}/v1/messages", json=[1], headers=headers), 400, "invalid_request_error")
+    for raw in (b"[" * 100000 + b"]" * 100000, b'{"model": "\xff\xfe"}'):  # nested too deeply; not UTF-8
+        _anthropic_err(httpx.post(f"{url}/v1/messages", content=raw, headers=dict(headers, **{
+            "content-type": "application/json"})), 400, "invalid_request_error")
+    assert "application/xml" in _anthropic_err(httpx.post(f"{url}/v1/messages", content=json.dumps(OK).encode(),
+                                                          headers=dict(headers, **{"content-type": "application/xml"})),
+                                               415, "invalid_request_error")
     _anthropic_err(httpx.post(f"{url}/v1/messages", json=OK), 401, "authentication_error")
     _anthropic_err(httpx.post(f"{url}/v1/messages", json=OK, headers={"x-api-key": "wrong"}), 401,
                    "authentication_error")

@@ -12,17 +12,13 @@ import pytest
 from helpers_spec import one_thread, sharp_draft, sharp_target  # noqa: F401  (fixtures)
 from test_server import _err, scrape, serve
 
+from test_tools import PARAMS as SCHEMAS, UNITS, WEATHER
+
 jsonschema = pytest.importorskip("jsonschema")
 
 MODEL = "tiny"
-WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
-                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-           "required": ["city", "days"], "additionalProperties": False}
-UNITS = {"type": "object", "properties": {"unit": {"enum": ["C", "F"]}}, "required": ["unit"],
-         "additionalProperties": False}
 TOOLS = [{"type": "function", "name": "get_weather", "description": "forecast", "parameters": WEATHER, "strict": True},
          {"type": "function", "name": "set_units", "parameters": UNITS, "strict": True}]
-SCHEMAS = {"get_weather": WEATHER, "set_units": UNITS}
 INSTRUCTIONS = "You are a terse assistant that answers about the weather. " * 4
 TURNS = [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": "Rain, 12 degrees."},
          {"role": "user", "content": "And in Paris?"}]
@@ -207,3 +203,13 @@ def test_malformed_requests_get_400s_naming_the_field(url, body, param, needle):
         assert err["param"] == param, err
     assert "Traceback" not in err["message"] and "/project/cpp" not in err["message"]
     assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_unreadable_bodies_get_400s(url):
+    for raw in (b"[" * 100000 + b"]" * 100000, b'{"model": "\xff\xfe"}', b"{not json"):
+        _err(httpx.post(f"{url}/v1/responses", content=raw, headers={"content-type": "application/json"}), 400,
+             "invalid_json")
+    _err(httpx.post(f"{url}/v1/responses", json=["hi"]), 400)
+    _err(httpx.post(f"{url}/v1/responses", content=json.dumps(OK).encode(), headers={"content-type": "text/xml"}),
+         415, "unsupported_media_type")
+    _err(httpx.get(f"{url}/v1/responses"), 405, "method_not_allowed")

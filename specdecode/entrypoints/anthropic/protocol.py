@@ -4,17 +4,18 @@ The server answers a Messages request by rendering the same chat template, with 
 grammar and sampling as /v1/chat/completions: :meth:`MessagesRequest.to_chat` maps one onto the other. As on the
 OpenAI routes, a field this server does not implement is refused by name (the shared request base forbids
 extra fields). Accepted although they change nothing here: ``metadata`` (a user id for abuse tracking),
-``cache_control`` on the request, blocks and tools (prompt caching is automatic: every prompt's prefix is cached)
-and a tool's ``strict`` (a forced call always follows its schema).
+``cache_control`` on the request, blocks and tools (prompt caching is automatic: every prompt's prefix is cached),
+a tool's ``strict`` (a forced call always follows its schema) and a text block's ``citations``.
 """
 from __future__ import annotations
 
 import json
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
-from specdecode.entrypoints.openai.protocol import MAX_STOP_STRINGS, ChatCompletionRequest, ParamError, _Request
+from specdecode.entrypoints.openai.protocol import (MAX_STOP_STRINGS, ChatCompletionRequest, ParamError, _Request,
+                                                    chat_request_from)
 
 
 class _Body(_Request):
@@ -32,6 +33,7 @@ class TextBlock(_Body):
     type: Literal["text"]
     text: str
     cache_control: CacheControl | None = None
+    citations: list[dict[str, Any]] | None = None  # an earlier answer's sources, sent back: not shown to the model
 
 
 class ToolUseBlock(_Body):
@@ -160,12 +162,7 @@ class _Conversation(_Body):
             tool_choice=choice.as_openai() if choice is not None else None,
             parallel_tool_calls=False if choice is not None and choice.disable_parallel_tool_use else None,
             continue_final_message=prefill, add_generation_prompt=not prefill, **sampling)
-        try:
-            return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
-        except ValidationError as e:
-            err = e.errors()[0]
-            path = ".".join(str(x) for x in err.get("loc", ()))
-            raise ParamError(path, f"{path}: {err.get('msg', 'invalid value')}") from None
+        return chat_request_from(fields)
 
 
 class MessagesRequest(_Conversation):

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import ConfigDict, Discriminator, Field, Tag, ValidationError
+from pydantic import ConfigDict, Discriminator, Field, Tag
 
-from specdecode.entrypoints.openai.protocol import ChatCompletionRequest, ParamError, _Request
+from specdecode.entrypoints.openai.protocol import ChatCompletionRequest, ParamError, _Request, chat_request_from
 
 
 class _Body(_Request):
@@ -173,12 +173,7 @@ class ResponsesRequest(_Body):
                    for t in self.tools] if self.tools else None,
             tool_choice={"type": "function", "function": {"name": choice.name}} if isinstance(choice, FunctionChoice)
             else choice, parallel_tool_calls=self.parallel_tool_calls)
-        try:
-            return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
-        except ValidationError as e:
-            err = e.errors()[0]
-            path = ".".join(str(x) for x in err.get("loc", ()))
-            raise ParamError(path, f"{path}: {err.get('msg', 'invalid value')}") from None
+        return chat_request_from(fields)
 
 
 def output_as_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
