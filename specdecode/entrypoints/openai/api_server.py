@@ -1,5 +1,5 @@
-"""OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, vLLM's /tokenize and
-/detokenize, /health, /metrics.
+"""OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models, vLLM's
+/tokenize and /detokenize, /health, /metrics; and Anthropic's /v1/messages.
 
 One AsyncLLMEngine (one engine thread doing continuous batching) serves every request. Run it with
 ``specdecode serve [MODEL] ...`` or its older vLLM spelling ``python -m specdecode.entrypoints.openai.api_server
@@ -39,12 +39,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdecode.engine.async_engine import AsyncLLMEngine
 from specdecode.engine.llm_engine import LLMEngine
-from specdecode.entrypoints.openai import (serving_chat, serving_completion, serving_models,
+from specdecode.entrypoints.anthropic import serving_messages
+from specdecode.entrypoints.openai import (serving_chat, serving_completion, serving_models, serving_responses,
                                            serving_tokenization)
 from specdecode.entrypoints.openai.cli_args import (DEFAULT_BODY_TIMEOUT, DEFAULT_LIMIT_CONCURRENCY,
                                                     DEFAULT_MAX_BODY_BYTES, add_server_args, engine_kwargs_from_args,
                                                     is_out_of_memory, out_of_memory_message)
-from specdecode.entrypoints.openai.errors import APIError, from_exception, validation_error
+from specdecode.entrypoints.openai.errors import APIError, error_body, from_exception, validation_error
 from specdecode.entrypoints.openai.metrics import ServerMetrics
 from specdecode.entrypoints.openai.middleware import Gate
 from specdecode.entrypoints.openai.response_models import ErrorResponse
@@ -55,7 +56,8 @@ __all__ = ["add_server_args", "run_server", "build_app", "engine_kwargs_from_arg
 
 # Each API's ``register(app, **serving_args)``, in the order their routes appear (and are documented).
 ROUTES: tuple[Callable[..., None], ...] = (serving_models.register, serving_tokenization.register,
-                                           serving_completion.register, serving_chat.register)
+                                           serving_completion.register, serving_chat.register,
+                                           serving_responses.register, serving_messages.register)
 
 
 # ====================================================================== app
@@ -83,28 +85,29 @@ def _openapi(app: FastAPI) -> dict:
 
 def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> Callable[[APIError], JSONResponse]:
     """Every error in OpenAI's shape, counted in the metrics; returns the function that makes such a response."""
-    def error_response(err: APIError) -> JSONResponse:
+    def error_response(err: APIError, path: str = "") -> JSONResponse:
         metrics.on_http_error(err.status)
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+        return JSONResponse(error_body(err, path), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError):
-        return error_response(exc)
+    async def _api_error(request: Request, exc: APIError):
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError):
-        return error_response(validation_error(exc))
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return error_response(validation_error(exc), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException):
+    async def _http(request: Request, exc: StarletteHTTPException):
         # FastAPI raises a 400 itself only for a body it could not decode (bad UTF-8, a number too long to read)
         code = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         # the exception's headers carry what the client needs, e.g. a 405's Allow
-        return error_response(APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers))
+        return error_response(APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers),
+                              request.url.path)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception):
-        return error_response(from_exception(exc))
+    async def _unexpected(request: Request, exc: Exception):
+        return error_response(from_exception(exc), request.url.path)
 
     return error_response
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import Callable
 
 from fastapi.exceptions import RequestValidationError
 
@@ -37,6 +38,19 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# Routes whose clients read another API's error envelope (Anthropic's /v1/messages): path prefix -> the body
+# an APIError becomes there. Each such API registers its shape with its routes.
+ERROR_SHAPES: dict[str, Callable[[APIError], dict]] = {}
+
+
+def error_body(err: APIError, path: str) -> dict:
+    """The body of ``err`` as the client of the route at ``path`` reads errors (OpenAI's shape by default)."""
+    for prefix, shape in ERROR_SHAPES.items():
+        if path.startswith(prefix):
+            return shape(err)
+    return err.body()
 
 
 # Seconds a client is told to wait after a 503: a full queue drains within a few engine steps; a server that

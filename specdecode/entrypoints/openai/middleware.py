@@ -7,7 +7,7 @@ from typing import Callable
 
 from fastapi.responses import JSONResponse
 
-from specdecode.entrypoints.openai.errors import APIError
+from specdecode.entrypoints.openai.errors import APIError, error_body
 
 _DRAIN_FACTOR, _DRAIN_BYTES = 4, 64 * 1024 * 1024  # how much of an oversized body is read only to be dropped
 _JSON_LIKE = (b"", b"application/x-www-form-urlencoded", b"text/plain")
@@ -17,8 +17,9 @@ API_PATHS = ("/v1", "/tokenize", "/detokenize")  # JSON bodies, behind the API k
 class Gate:
     """Plain ASGI middleware in front of every route; checks run before any body is parsed.
 
-    - API key: /v1/* and the OpenAPI schema need ``Authorization: Bearer <key>`` when a key is set (compared in
-      constant time); /metrics too with ``metrics_require_key``. /health stays open for load balancers.
+    - API key: /v1/* and the OpenAPI schema need ``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key:
+      <key>``) when a key is set (compared in constant time); /metrics too with ``metrics_require_key``. /health
+      stays open for load balancers.
     - Body size: over ``max_body_bytes`` is a 413, decided from Content-Length or while reading, so a huge
       body is never held or parsed.
     - Slow clients: a body that stalls for ``body_timeout`` seconds is a 408, not a connection held forever.
@@ -28,14 +29,15 @@ class Gate:
                  body_timeout: float, metrics_require_key: bool):
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.key = api_key.encode() if api_key else None
         self.on_reject = on_reject
         self.max_body = max_body_bytes
         self.body_timeout = body_timeout
         self.protected = API_PATHS + ("/openapi.json",) + (("/metrics",) if metrics_require_key else ())
 
-    async def _reject(self, send, err: APIError) -> None:
+    async def _reject(self, send, err: APIError, path: str) -> None:
         self.on_reject(err.status)
-        resp = JSONResponse(err.body(), status_code=err.status, headers={"Connection": "close"})
+        resp = JSONResponse(error_body(err, path), status_code=err.status, headers={"Connection": "close"})
         await resp({"type": "http"}, None, send)
 
     async def __call__(self, scope, receive, send):
@@ -44,9 +46,11 @@ class Gate:
         headers = dict(scope.get("headers") or [])
         path = scope.get("path", "")
         if self.expected is not None and path.startswith(self.protected) and scope.get("method") != "OPTIONS":
-            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+            bearer = hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+            if not (bearer | hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)):
                 return await self._reject(send, APIError(
-                    401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key"))
+                    401, "Incorrect or missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
+                    code="invalid_api_key"), path)
         if scope.get("method") != "POST":
             return await self.app(scope, receive, send)
         too_big = APIError(413, f"The request body is larger than the server's limit of {self.max_body} bytes.",
@@ -56,14 +60,15 @@ class Gate:
         except ValueError:
             declared = 0
         if declared > self.max_body and headers.get(b"expect", b"").lower() == b"100-continue":
-            return await self._reject(send, too_big)  # the client waits for our word before sending the body
+            return await self._reject(send, too_big, path)  # the client waits for our word before sending the body
         chunks, size = [], 0
         while True:
             try:
                 message = await asyncio.wait_for(receive(), self.body_timeout)
             except asyncio.TimeoutError:
                 return await self._reject(send, APIError(
-                    408, f"The request body did not arrive within {self.body_timeout:g} s.", code="request_timeout"))
+                    408, f"The request body did not arrive within {self.body_timeout:g} s.", code="request_timeout"),
+                    path)
             if message["type"] == "http.disconnect":
                 return
             chunk = message.get("body", b"")
@@ -77,7 +82,7 @@ class Gate:
         if size > self.max_body:
             # The rest was drained (cheaply, up to a bound) so the client, still sending, reads a 413 instead of
             # a reset connection.
-            return await self._reject(send, too_big)
+            return await self._reject(send, too_big, path)
         body = b"".join(chunks)
         delivered = False
 
@@ -96,5 +101,5 @@ class Gate:
             elif ctype != b"application/json" and not ctype.endswith(b"+json"):
                 return await self._reject(send, APIError(
                     415, f"The request body is sent as {ctype.decode('latin-1')!r}; send it as application/json.",
-                    code="unsupported_media_type"))
+                    code="unsupported_media_type"), path)
         await self.app(scope, replay, send)

@@ -11,7 +11,8 @@ import array
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictInt, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from specdecode.sampling_params import SamplingParams, check_text
 from specdecode.structured import StructuredOutputsParams
@@ -476,3 +477,14 @@ class TokenizeChatRequest(_Request):
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
+
+
+def chat_request_from(fields: dict[str, Any]) -> ChatCompletionRequest:
+    """The chat completion request another API's body translates to (the Responses API, Anthropic's Messages),
+    from its fields (None: not given); a ParamError naming the first value it refuses."""
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+    except ValidationError as e:
+        err = e.errors()[0]
+        path = ".".join(str(x) for x in err.get("loc", ()))
+        raise ParamError(path, f"{path}: {err.get('msg', 'invalid value')}") from None

@@ -20,7 +20,7 @@ from specdecode.entrypoints.openai.serving_engine import (OpenAIServing, Streame
                                                           stop_hold, usage_of)
 from specdecode.outputs import CompletionOutput, RequestOutput
 from specdecode.sampling_params import SamplingParams
-from specdecode.structured.tools import get_tool_parser
+from specdecode.structured.tools import ToolParser, get_tool_parser
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -30,11 +30,21 @@ class OpenAIServingChat(OpenAIServing):
         # tool_choice required / named constrains the output to the server's tool-call format
         return body.to_sampling_params(self.tool_call_parser)
 
-    async def create_chat_completion(self, body: ChatCompletionRequest, request: Request) -> Response:
+    async def begin(self, body: ChatCompletionRequest, rid: str) -> tuple[str, SamplingParams, list[RequestStream]]:
+        """A chat request checked, rendered and admitted as engine request ``rid``: the model name it answers as,
+        its sampling parameters and its stream. The other chat-shaped APIs (Responses, Anthropic's Messages)
+        translate their bodies to a ChatCompletionRequest and start here too."""
         model, params = await self.prepare(body)
         prompt = await run_in_threadpool(self.chat_prompt, body)  # templating is CPU work: off the event loop
+        return model, params, await self.start(rid, [(prompt, None)], params, "messages")
+
+    def tool_parser(self, body: ChatCompletionRequest) -> ToolParser | None:
+        """A fresh parser for one reply's tool calls (None when the request has no tools in play)."""
+        return None if body.tool_mode == "none" else get_tool_parser(self.tool_call_parser, body.max_tool_calls)
+
+    async def create_chat_completion(self, body: ChatCompletionRequest, request: Request) -> Response:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self.start(rid, [(prompt, None)], params, "messages")
+        model, params, streams = await self.begin(body, rid)
         return await self.respond(request, streams, body.stream,
                                   lambda: self._events(rid, model, body, params, streams[0]),
                                   lambda outs: self._response(rid, model, body, outs[0]))
@@ -54,7 +64,7 @@ class OpenAIServingChat(OpenAIServing):
             lp = self._logprobs(c, 0, len(c.token_ids), body.top_logprobs or 0) if body.logprobs else None
             content, calls, finish = c.text, None, c.finish_reason
             if body.tool_mode != "none":
-                content, calls = get_tool_parser(self.tool_call_parser, body.max_tool_calls).parse(c.text)
+                content, calls = self.tool_parser(body).parse(c.text)
                 calls = calls or None
                 if calls and finish == "stop":
                     finish = "tool_calls"
@@ -70,8 +80,7 @@ class OpenAIServingChat(OpenAIServing):
         choices = {i: StreamedChoice(i) for i in range(body.n)}
         hold = stop_hold(params)
         top_n = body.top_logprobs or 0
-        parsers = {i: get_tool_parser(self.tool_call_parser, body.max_tool_calls) for i in range(body.n)} \
-            if body.tool_mode != "none" else {}
+        parsers = {i: self.tool_parser(body) for i in range(body.n)} if body.tool_mode != "none" else {}
         called: set[int] = set()
 
         def chunk(cs: list[ChatStreamChoice], **extra) -> str:
@@ -114,6 +123,22 @@ class OpenAIServingChat(OpenAIServing):
         # usage (and the spec-decode summary) goes in a chunk of its own, only when asked for (OpenAI, vLLM)
         if body.include_usage and final is not None:
             yield chunk([], usage=usage_of([final]), spec_decode=spec_of([final]))
+
+
+async def reply_deltas(stream: RequestStream, params: SamplingParams, parser: ToolParser | None
+                       ) -> AsyncIterator[tuple[str, list[dict[str, Any]], RequestOutput]]:
+    """One reply (n=1) as it streams, one item per engine output: (text to send now, tool calls completed now,
+    the output). Text that could still become a stop string or the start of a tool call is held back until it
+    cannot."""
+    sent = StreamedChoice(0)
+    hold = stop_hold(params)
+    async for out in stream:
+        c = out.outputs[0]
+        delta, _ = sent.delta(c, hold)
+        calls: list[dict[str, Any]] = []
+        if parser is not None:
+            delta, calls = parser.stream(delta, c.finish_reason is not None)
+        yield delta, calls, out
 
 
 def register(app: FastAPI, **serving_args: Any) -> None:

@@ -95,6 +95,10 @@ def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+def _error_sse(err: APIError) -> str:
+    return sse(err.body())
+
+
 def chunk_event(model) -> str:
     """A stream chunk as an event; each choice says ``logprobs`` and ``finish_reason``, null or not."""
     d = model.model_dump(exclude_none=True)
@@ -249,13 +253,15 @@ class OpenAIServing:
 
     # ---- closing: the whole response, or a stream of events ----
     async def respond(self, request: Request, streams: list[RequestStream], stream: bool,
-                      events: Callable[[], AsyncIterator[str]],
-                      build: Callable[[list[RequestOutput]], dict]) -> Response:
+                      events: Callable[[], AsyncIterator[str]], build: Callable[[list[RequestOutput]], dict],
+                      error_event: Callable[[APIError], str] | None = None, done: str = "data: [DONE]\n\n") -> Response:
         """The route's response: with ``stream``, the events ``events()`` yields; otherwise the JSON body
-        ``build`` makes of the final outputs (HTTP 499 when the client went away first)."""
+        ``build`` makes of the final outputs (HTTP 499 when the client went away first). A stream reports an
+        error in-band as ``error_event`` makes it (an OpenAI error body by default) and ends with ``done``
+        (OpenAI's ``[DONE]``; APIs whose streams end with an event of their own pass "")."""
         if stream:
-            return StreamingResponse(self._event_stream(events(), streams), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(self._event_stream(events(), streams, error_event or _error_sse, done),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             outs = await self._collect(streams, request)
         except _ClientGone:
@@ -264,18 +270,20 @@ class OpenAIServing:
             raise from_exception(e) from None
         return JSONResponse(build(outs))
 
-    async def _event_stream(self, events: AsyncIterator[str], streams: list[RequestStream]) -> AsyncIterator[str]:
+    async def _event_stream(self, events: AsyncIterator[str], streams: list[RequestStream],
+                            error_event: Callable[[APIError], str], done: str) -> AsyncIterator[str]:
         try:
             async for event in events:
                 yield event
         except Exception as e:  # noqa: BLE001 - reported in-band: the status line is already sent
             err = from_exception(e)
             self.metrics.on_http_error(err.status)
-            yield sse(err.body())
+            yield error_event(err)
         finally:
             for s in streams:
                 s.close()
-        yield "data: [DONE]\n\n"
+        if done:
+            yield done
 
     async def _collect(self, streams: list[RequestStream], request: Request) -> list[RequestOutput]:
         """Final outputs of all streams; aborts them all if the client disconnects first."""
