@@ -16,29 +16,24 @@ on the C++ layer stack); Granite has all four multipliers; OLMo 2 post-norms and
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from helpers_spec import GREEDY, PROMPTS, gen_ids, llm_cache, one_thread  # noqa: F401  (fixtures)
-from specdecode import LLM, SamplingParams
-from specdecode.engine.model_runner import ModelRunner
+from helpers_families import N_GREEDY, add_gpt2_vocab, greedy_check, logits_check, ours, prefix_cache_check
+from helpers_spec import llm_cache, one_thread  # noqa: F401  (fixtures)
 from specdecode.models.families import FAMILIES as REGISTRY
 from specdecode.models.families import family_of
 from specdecode.models.loader import load_model
-from test_hf_parity import _hf_greedy, _hf_logits, _hf_model, _prompt
+from test_hf_parity import _hf_greedy, _hf_model, _prompt
 from tiny import VOCAB, build_tokenizer
 
 FAMILIES = ("mistral", "ministral", "phi3", "granite", "olmo2")
 SLIDING = ("mistral", "ministral", "phi3")
 # those llama.cpp converts (Mistral and Ministral as llama, here with their windows in the metadata)
 GGUF_FAMILIES = ("mistral", "ministral", "phi3", "granite", "olmo2")
-# As tests/test_families.py: with a float32 KV cache our logits are transformers' up to float32 rounding.
-LOGITS_TOL = 1e-4
-N_GREEDY = 32
 WINDOW = 8
 LAYERS = 4
 
@@ -134,27 +129,10 @@ def test_config_maps_onto_the_decoder(fam, models):
     assert model.stack_family() == (fam == "phi4")
 
 
-def _logits_check(path: Path, hf_model, ids: list[int], label: str) -> None:
-    """Prefill's last row, every row through the verification path, and a prefill of the first part followed by
-    the rest as one multi-token decode over the cached part: all transformers' logits."""
-    want = _hf_logits(hf_model, ids)
-    runner = ModelRunner(load_model(path, "float32", "cpu", 256, None), 2, 256, "cpu", kv_cache_dtype="float32")
-    last = runner.prefill(0, ids)
-    rows = runner.forward_rows([(1, 0, ids)], all_logits=True)[0]
-    h = 21
-    first = runner.prefill(0, ids[:h])
-    split = torch.cat([first[None], runner.forward_rows([(0, h, ids[h:])], all_logits=True)[0]])
-    for name, got, ref in (("prefill", last, want[-1]), ("verify rows", rows, want),
-                           ("prefill + cached decode", split, want[h - 1:])):
-        diff = (got - ref).abs().max().item()
-        assert diff < LOGITS_TOL, f"{label} {name}: max abs logits diff {diff:.2e}"
-    assert want.std().item() > 0.1
-
-
 @pytest.mark.parametrize("fam", FAMILIES + ("phi3_long", "phi4"))
 def test_logits_match_transformers(fam, models, hf):
     # 40 tokens: past the window, over two block boundaries, and past phi3_long's pretraining length of 32
-    _logits_check(models[fam], hf(fam), _prompt(VOCAB, n=40), fam)
+    logits_check(models[fam], hf(fam), _prompt(VOCAB, n=40), fam)
 
 
 @pytest.mark.parametrize("fam", ("phi3", "olmo2"))
@@ -168,29 +146,9 @@ def test_compiled_rows_stay_invariant(fam, models, one_thread):
     assert (out["eager"] - out["compiled"]).abs().max().item() < 1e-3
 
 
-def _ours(llm, prompts, **kw) -> list[list[int]]:
-    return gen_ids(llm, prompts, max_tokens=N_GREEDY, **GREEDY, **kw)
-
-
-def _greedy_check(path, hf_model, first: list[int], llm_cache) -> None:
-    """transformers' greedy tokens: each prompt alone, all batched, and under n-gram speculation (k = 4), which
-    must accept drafts."""
-    prompts = [first, [17, 42, 99, 5, 300, 7] * 4] + PROMPTS  # n-gram drafts match in the looping prompt
-    want = [_hf_greedy(hf_model, p, N_GREEDY) for p in prompts]
-    plain = llm_cache.get(path, max_model_len=128)
-    assert [_ours(plain, [p])[0] for p in prompts] == want
-    assert _ours(plain, prompts) == want  # batched with each other
-    ngram = llm_cache.get(path, max_model_len=128, speculative_model="[ngram]", num_speculative_tokens=4)
-    for batch in ([prompts[1]], prompts):
-        outs = ngram.generate(prompt_token_ids=batch, use_tqdm=False,
-                              sampling_params=SamplingParams(max_tokens=N_GREEDY, **GREEDY))
-        assert [list(o.outputs[0].token_ids) for o in outs] == [want[prompts.index(p)] for p in batch]
-        assert sum(o.metrics.spec_decode.num_accepted_tokens for o in outs) > 0
-
-
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_greedy_matches_transformers_plain_speculative_and_batched(fam, models, hf, llm_cache):
-    _greedy_check(models[fam], hf(fam), _prompt(VOCAB, n=24, seed=0), llm_cache)
+    greedy_check(models[fam], hf(fam), _prompt(VOCAB, n=24, seed=0), llm_cache)
 
 
 def test_phi3_long_factors_greedy(models, hf, llm_cache):
@@ -199,13 +157,7 @@ def test_phi3_long_factors_greedy(models, hf, llm_cache):
     model = hf("phi3_long")
     ids = _prompt(VOCAB, n=40, seed=3)
     plain = llm_cache.get(models["phi3_long"], max_model_len=128)
-    assert _ours(plain, [ids]) == [_hf_greedy(model, ids, N_GREEDY)]
-
-
-def _run(llm, prompts, max_tokens=12):
-    outs = llm.generate(prompt_token_ids=prompts, use_tqdm=False,
-                        sampling_params=SamplingParams(max_tokens=max_tokens, logprobs=3, **GREEDY))
-    return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
+    assert ours(plain, [ids]) == [_hf_greedy(model, ids, N_GREEDY)]
 
 
 @pytest.mark.parametrize("fam", SLIDING)
@@ -213,23 +165,7 @@ def test_prefix_caching_and_chunked_prefill_give_bitwise_the_same_output(fam, mo
     """Prompts sharing a 70-token head (4 whole blocks, far past the window): prefilled whole without the cache,
     or in chunks of 32 with the head's blocks from the cache, the token ids and logprobs are bitwise the same,
     also when they arrive together or run under n-gram speculation."""
-    rng = random.Random(1)
-    head = [rng.randrange(5, 500) for _ in range(70)]
-    prompts = [head + [rng.randrange(5, 500) for _ in range(9 + 3 * i)] for i in range(3)]
-    kw = dict(model=str(models[fam]), max_model_len=512, seed=0)
-    ref_llm = LLM(**kw, enable_prefix_caching=False, max_num_batched_tokens=4096,
-                  speculative_config={"method": "none"})
-    ref = [_run(ref_llm, [p])[0] for p in prompts]
-    llm = LLM(**kw, max_num_batched_tokens=32, speculative_config={"method": "none"})
-    got = [_run(llm, [p])[0] for p in prompts]
-    pool = llm.llm_engine.pool
-    assert pool.hits >= 2 * 64, "the shared head's 4 whole blocks must come from the cache"
-    assert got == ref
-    assert _run(llm, prompts) == ref  # together, all from the cache
-    spec = LLM(**kw, max_num_batched_tokens=32, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
-    assert [ids for ids, _ in _run(spec, prompts)] == [ids for ids, _ in ref]
-    pool.check_consistency()
-    assert pool.num_used_blocks == 0
+    prefix_cache_check(models[fam])
 
 
 def test_unsupported_architecture_lists_the_new_families():
@@ -294,17 +230,7 @@ def write_gguf(hf_dir: Path, path: Path, fam: str, window_key: bool = True) -> P
         for key, hf_key in (("attention.scale", "attention_multiplier"), ("embedding_scale", "embedding_multiplier"),
                             ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling")):
             w.add_float32(f"{arch}.{key}", c[hf_key])
-    tok = json.loads((hf_dir / "tokenizer.json").read_text())
-    vocab = {i: t for t, i in tok["model"]["vocab"].items()}
-    vocab.update({a["id"]: a["content"] for a in tok["added_tokens"]})
-    tokens = [vocab.get(i, f"<unused{i}>") for i in range(c["vocab_size"])]
-    specials = {a["id"] for a in tok["added_tokens"]}
-    w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_array("tokenizer.ggml.tokens", tokens)
-    w.add_array("tokenizer.ggml.token_type", [3 if i in specials or i not in vocab else 1 for i in range(len(tokens))])
-    w.add_array("tokenizer.ggml.merges", [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    w.add_uint32("tokenizer.ggml.bos_token_id", c["bos_token_id"])
-    w.add_uint32("tokenizer.ggml.eos_token_id", c["eos_token_id"])
+    add_gpt2_vocab(w, hf_dir)
     names = gguf.TensorNameMap(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), c["num_hidden_layers"])
     for name, t in load_file(str(hf_dir / "model.safetensors")).items():
         base, kind = name.rsplit(".", 1)
@@ -353,8 +279,8 @@ def test_gguf_gives_transformers_logits_and_greedy_tokens(fam, models, gguf_mode
     ours = dict(load_model(path, "float32", "cpu", 64, None).model.state_dict())
     ref = dict(load_model(hf_dir, "float32", "cpu", 64, None).model.state_dict())
     assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ref)
-    _logits_check(path, hf(fam), _prompt(VOCAB, n=40), f"{fam} gguf")
-    _greedy_check(path, hf(fam), _prompt(VOCAB, n=24, seed=0), llm_cache)
+    logits_check(path, hf(fam), _prompt(VOCAB, n=40), f"{fam} gguf")
+    greedy_check(path, hf(fam), _prompt(VOCAB, n=24, seed=0), llm_cache)
 
 
 def test_llama_gguf_without_a_window_is_plain_llama(models, tmp_path):
