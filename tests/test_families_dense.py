@@ -22,12 +22,13 @@ import numpy as np
 import pytest
 import torch
 
-from helpers_families import N_GREEDY, add_gpt2_vocab, greedy_check, logits_check, ours, prefix_cache_check
+from helpers_families import LOGITS_TOL, N_GREEDY, add_gpt2_vocab, greedy_check, logits_check, ours, prefix_cache_check
 from helpers_spec import llm_cache, one_thread  # noqa: F401  (fixtures)
+from specdecode.engine.model_runner import ModelRunner
 from specdecode.models.families import FAMILIES as REGISTRY
 from specdecode.models.families import family_of
 from specdecode.models.loader import load_model
-from test_hf_parity import _hf_greedy, _hf_model, _prompt
+from test_hf_parity import _hf_greedy, _hf_logits, _hf_model, _prompt
 from tiny import VOCAB, build_tokenizer
 
 FAMILIES = ("mistral", "ministral", "phi3", "granite", "olmo2")
@@ -127,6 +128,18 @@ def test_config_maps_onto_the_decoder(fam, models):
     model = load_model(models[fam], "float32", "cpu", 64, None).model
     # Phi-4 (no window, every dim rotated) is Llama to the C++ layer stack; the others run the Python layers.
     assert model.stack_family() == (fam == "phi4")
+
+
+def test_a_window_as_long_as_the_context_is_full_attention(models, hf):
+    """Mistral whose window covers max_model_len (Mistral 7B v0.1: 4096 of 4096) runs with full attention, on the
+    C++ layer stack, and still gives transformers' logits."""
+    assert not load_model(models["mistral"], "float32", "cpu", WINDOW + 1, None).model.stack_family()
+    loaded = load_model(models["mistral"], "float32", "cpu", WINDOW, None)
+    assert loaded.model.stack_family()
+    ids = _prompt(VOCAB, n=WINDOW)
+    runner = ModelRunner(loaded, 1, WINDOW, "cpu", kv_cache_dtype="float32")
+    want = _hf_logits(hf("mistral"), ids)
+    assert (runner.forward_rows([(0, 0, ids)], all_logits=True)[0] - want).abs().max().item() < LOGITS_TOL
 
 
 @pytest.mark.parametrize("fam", FAMILIES + ("phi3_long", "phi4"))

@@ -6,7 +6,7 @@ sliding windows, soft-capping, extra norms), so one module with a ModelArgs desc
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -161,6 +161,10 @@ class Block(nn.Module):
 class CausalLM(nn.Module):
     def __init__(self, a: ModelArgs, max_model_len: int):
         super().__init__()
+        if a.sliding_window is not None and a.sliding_window >= max_model_len and a.local_rope_theta is None:
+            # A window as long as the context never binds (Mistral 7B v0.1: 4096): full attention, exactly, which
+            # keeps the model on the C++ layer stack where it otherwise fits.
+            a = replace(a, sliding_window=None, sliding_layers=())
         self.args = a
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
