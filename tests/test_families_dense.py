@@ -130,6 +130,29 @@ def test_config_maps_onto_the_decoder(fam, models):
     assert model.stack_family() == (fam == "phi4")
 
 
+def test_phi3_configs_as_transformers_4_saved_them():
+    """Phi-3-mini-128k / Phi-4-mini style config.json (transformers 4): ``rope_scaling`` of type su or longrope,
+    the pretraining length, theta and partial_rotary_factor at the top level; no attention factor (HF's default)."""
+    import math
+
+    c = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "rope_theta": 10000.0,
+         "max_position_embeddings": 131072, "original_max_position_embeddings": 4096, "partial_rotary_factor": 0.75,
+         "sliding_window": 262144, "rope_scaling": {"type": "su", "long_factor": [2.0] * 6, "short_factor": [1.0] * 6}}
+    a = REGISTRY["phi3"].make_args(c, "phi3")
+    assert a.rotary_dim == 12 and a.sliding_layers == (True, True) and a.rope_theta == 10000.0
+    s = a.rope_scaling
+    assert (s["rope_type"], s["original_max_position_embeddings"], s["factor"]) == ("longrope", 4096, 32.0)
+    from specdecode.layers.rotary import Rotary
+
+    short, long = Rotary(12, 64, 1e4, s), Rotary(12, 8192, 1e4, s)
+    attn = math.sqrt(1 + math.log(32) / math.log(4096))
+    assert torch.allclose(short.cos[0], torch.full((12,), attn)) and torch.equal(long.cos[0], short.cos[0])
+    assert not torch.allclose(short.cos[5], long.cos[5])  # the long factors past 4096 positions of context
+    with pytest.raises(ValueError, match="head_dim"):
+        REGISTRY["phi3"].make_args({**c, "head_dim": 8}, "phi3")
+
+
 def test_a_window_as_long_as_the_context_is_full_attention(models, hf):
     """Mistral whose window covers max_model_len (Mistral 7B v0.1: 4096 of 4096) runs with full attention, on the
     C++ layer stack, and still gives transformers' logits."""
