@@ -319,6 +319,8 @@ _GPT2_GLOBALS = {"token_embd.weight": "transformer.wte.weight", "position_embd.w
                  "output_norm.weight": "transformer.ln_f.weight", "output_norm.bias": "transformer.ln_f.bias",
                  "output.weight": "lm_head.weight"}
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+# RoPE scaling stored as tensors: Llama 3's frequency divisors; Phi-3's LongRoPE factors
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def unpermute_rope_rows(t: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -343,7 +345,7 @@ def _map_names(arch: str, refs: dict[str, _TensorRef], heads: int, kv_heads: int
     out: dict[str, _TensorRef] = {}
     unknown = []
     for name, ref in refs.items():
-        if name == "rope_freqs.weight":  # folded into config["rope_scaling"]
+        if name in _ROPE_TENSORS:  # folded into config["rope_scaling"]
             continue
         m = _BLOCK.match(name)
         if m and m.group(2) in per_block:
@@ -353,7 +355,8 @@ def _map_names(arch: str, refs: dict[str, _TensorRef], heads: int, kv_heads: int
         else:
             unknown.append(name)
             continue
-        if arch == "llama" and m and m.group(2).startswith(("attn_q.", "attn_k.")):
+        permuted = arch == "llama" or (family is not None and family.rope_permuted)
+        if permuted and m and m.group(2).startswith(("attn_q.", "attn_k.")):
             n = heads if m.group(2).startswith("attn_q.") else kv_heads
             ref.transform = lambda t, n=n: unpermute_rope_rows(t, n)
         elif arch == "gpt2" and hf.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
@@ -474,6 +477,8 @@ def _build_config(arch: str, meta: dict, refs: dict[str, _TensorRef], mm) -> dic
         raw = np.frombuffer(mm, dtype=np.uint8, count=ref.nbytes, offset=ref.offset)
         scaling = _fit_llama3_scaling(dequantize(raw, ref.qtype, ref.dims[0]).tolist(), theta, head_dim)
         del raw
+    if "rope_factors_long.weight" in refs:  # Phi-3's LongRoPE, as convert_hf_to_gguf.py writes it
+        scaling = _longrope_scaling(get, refs, mm, ctx)
     config = {
         **common,
         "hidden_size": hidden, "intermediate_size": int(get("feed_forward_length", required=True)),
@@ -483,7 +488,41 @@ def _build_config(arch: str, meta: dict, refs: dict[str, _TensorRef], mm) -> dic
         "attention_bias": arch == "qwen2" or "blk.0.attn_q.bias" in refs,
         "mlp_bias": "blk.0.ffn_up.bias" in refs,
     }
+    if arch == "llama":
+        config = _llama_window(get, config)
     return GGUF_ARCHITECTURES[arch].config(get, config) if arch in GGUF_ARCHITECTURES else config
+
+
+def _llama_window(get: Callable[..., Any], config: dict) -> dict:
+    """llama.cpp writes Mistral and Ministral as ``llama`` and runs them without their window; a file whose metadata
+    does carry one (attention.sliding_window, with or without a per-layer sliding_window_pattern) reads back as the
+    model that slides: Mistral (every layer) or Ministral (the marked layers)."""
+    window = get("attention.sliding_window")
+    if not window:
+        return config
+    pattern = get("attention.sliding_window_pattern")
+    if pattern is None:
+        return {**config, "architectures": ["MistralForCausalLM"], "sliding_window": int(window)}
+    if not isinstance(pattern, list) or len(pattern) != config["num_hidden_layers"]:
+        raise ValueError(f"llama.attention.sliding_window_pattern must list one flag per layer, not {pattern!r}.")
+    return {**config, "architectures": ["MinistralForCausalLM"], "sliding_window": int(window),
+            "layer_types": ["sliding_attention" if p else "full_attention" for p in pattern]}
+
+
+def _longrope_scaling(get: Callable[..., Any], refs: dict[str, _TensorRef], mm, ctx: int) -> dict:
+    """HF's longrope ``rope_parameters`` from rope_factors_long / rope_factors_short and the metadata."""
+    if "rope_factors_short.weight" not in refs:
+        raise ValueError("the file has rope_factors_long but no rope_factors_short; it is incomplete.")
+    factors = {}
+    for kind in ("long", "short"):
+        ref = refs[f"rope_factors_{kind}.weight"]
+        raw = np.frombuffer(mm, dtype=np.uint8, count=ref.nbytes, offset=ref.offset)
+        factors[kind] = dequantize(raw, ref.qtype, ref.dims[0]).tolist()
+        del raw
+    old = int(get("rope.scaling.original_context_length", ctx))
+    return {"rope_type": "longrope", "long_factor": factors["long"], "short_factor": factors["short"],
+            "original_max_position_embeddings": old, "factor": ctx / old,
+            "attention_factor": get("rope.scaling.attn_factor")}
 
 
 def read_gguf(path: str | os.PathLike) -> GGUFModel:

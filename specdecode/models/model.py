@@ -6,7 +6,7 @@ sliding windows, soft-capping, extra norms), so one module with a ModelArgs desc
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -56,6 +56,12 @@ class ModelArgs:
     final_softcap: float | None = None      # the same on the logits
     embed_scale: float | None = None        # embeddings times this, rounded to their dtype
     sandwich_norms: bool = False            # also norm the attention and MLP outputs before the residual add
+    # Phi-3, Granite and OLMo 2's switches (models.families.phi3 / granite / olmo2); the defaults change nothing.
+    rotary_dim: int | None = None           # leading dims of each head RoPE rotates (partial rotary); None: all
+    residual_scale: float | None = None     # attention and MLP outputs times this before the residual add
+    logit_divisor: float | None = None      # logits divided by this (Granite's logits_scaling)
+    pre_norms: bool = True                  # norm before attention and MLP (False: OLMo 2, only after them)
+    qk_norm_whole: bool = False             # q/k norm over the whole projection, not per head (OLMo 2)
 
 
 def _rows_dynamic(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -72,7 +78,8 @@ class Block(nn.Module):
         h, d = a.hidden_size, a.head_dim
         self.a = a
         self.sliding = bool(a.sliding_layers) and a.sliding_layers[index]
-        self.attn_norm, self.mlp_norm = Norm(h, a.norm_eps), Norm(h, a.norm_eps)
+        if a.pre_norms:
+            self.attn_norm, self.mlp_norm = Norm(h, a.norm_eps), Norm(h, a.norm_eps)
         if a.sandwich_norms:
             self.post_attn_norm, self.post_mlp_norm = Norm(h, a.norm_eps), Norm(h, a.norm_eps)
         self.q_proj = Linear(h, a.num_heads * d, a.qkv_bias)
@@ -80,7 +87,8 @@ class Block(nn.Module):
         self.v_proj = Linear(h, a.num_kv_heads * d, a.qkv_bias)
         self.o_proj = Linear(a.num_heads * d, h, a.out_bias)
         if a.qk_norm:
-            self.q_norm, self.k_norm = RMSNorm(d, a.norm_eps), RMSNorm(d, a.norm_eps)
+            qd, kd = (a.num_heads * d, a.num_kv_heads * d) if a.qk_norm_whole else (d, d)
+            self.q_norm, self.k_norm = RMSNorm(qd, a.norm_eps), RMSNorm(kd, a.norm_eps)
         self.attn = Attention(a.num_heads, a.num_kv_heads, d, a.attn_scale or d ** -0.5,
                               a.sliding_window if self.sliding else None, a.attn_softcap)
         if a.gated_mlp:
@@ -113,8 +121,11 @@ class Block(nn.Module):
             if rope is not None:  # q and k side by side: one elementwise pass for both
                 qk = apply_rotary(qk, *rope)
             return qk[:, :H], qk[:, H:], v
-        q, k = qkv[:, :H * D].reshape(n, H, D), qkv[:, H * D:(H + KV) * D].reshape(n, KV, D)
-        q, k = self.q_norm(q), self.k_norm(k)
+        q, k = qkv[:, :H * D], qkv[:, H * D:(H + KV) * D]
+        if a.qk_norm_whole:  # OLMo 2: before the split into heads
+            q, k = self.q_norm(q).reshape(n, H, D), self.k_norm(k).reshape(n, KV, D)
+        else:
+            q, k = self.q_norm(q.reshape(n, H, D)), self.k_norm(k.reshape(n, KV, D))
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         return q, k, v
@@ -125,25 +136,35 @@ class Block(nn.Module):
     # The layer in two pieces around the attention call, which reads the cache per request and stays eager;
     # CausalLM.compile_decode compiles these two.
     def before_attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None):
-        return self._qkv(self.attn_norm(x), rope)
+        return self._qkv(self.attn_norm(x) if self.a.pre_norms else x, rope)
+
+    def _residual(self, x: torch.Tensor, out: torch.Tensor, post_norm: str) -> torch.Tensor:
+        a = self.a
+        if a.sandwich_norms:
+            out = getattr(self, post_norm)(out)
+        if a.residual_scale is not None:  # Granite: HF's residual + out * multiplier
+            out = out * a.residual_scale
+        return x + out
 
     def after_attention(self, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
         a = self.a
-        out = self.o_proj(att)
-        x = x + (self.post_attn_norm(out) if a.sandwich_norms else out)
-        y = self.mlp_norm(x)
+        x = self._residual(x, self.o_proj(att), "post_attn_norm")
+        y = self.mlp_norm(x) if a.pre_norms else x
         if a.gated_mlp:
             gate, up = self.gate_up_proj(y).chunk(2, dim=-1)
             hidden = self.act(gate) * up
         else:
             hidden = self.act(self.up_proj(y))
-        out = self.down_proj(hidden)
-        return x + (self.post_mlp_norm(out) if a.sandwich_norms else out)
+        return self._residual(x, self.down_proj(hidden), "post_mlp_norm")
 
 
 class CausalLM(nn.Module):
     def __init__(self, a: ModelArgs, max_model_len: int):
         super().__init__()
+        if a.sliding_window is not None and a.sliding_window >= max_model_len and a.local_rope_theta is None:
+            # A window as long as the context never binds (Mistral 7B v0.1: 4096): full attention, exactly, which
+            # keeps the model on the C++ layer stack where it otherwise fits.
+            a = replace(a, sliding_window=None, sliding_layers=())
         self.args = a
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
@@ -152,7 +173,7 @@ class CausalLM(nn.Module):
             self.embed_positions = nn.Embedding(a.max_position_embeddings + a.position_offset, a.hidden_size)
             self.embed_positions.weight.requires_grad_(False)
         else:
-            self.rotary = Rotary(a.head_dim, max(max_model_len, 1), a.rope_theta, a.rope_scaling)
+            self.rotary = Rotary(a.rotary_dim or a.head_dim, max(max_model_len, 1), a.rope_theta, a.rope_scaling)
             if a.local_rope_theta is not None:  # Gemma 3's sliding layers: their own base, no scaling
                 self.local_rotary = Rotary(a.head_dim, max(max_model_len, 1), a.local_rope_theta, None)
         self.layers = nn.ModuleList(Block(a, i) for i in range(a.num_layers))
@@ -176,7 +197,8 @@ class CausalLM(nn.Module):
         return (a.norm == "rms" and self.rotary is not None and a.gated_mlp and a.activation in ("silu", "swish")
                 and not a.sliding_layers and self.local_rotary is None and a.attn_scale is None
                 and a.attn_softcap is None and a.final_softcap is None and a.embed_scale is None
-                and not a.sandwich_norms)
+                and not a.sandwich_norms and a.rotary_dim in (None, a.head_dim) and a.residual_scale is None
+                and a.logit_divisor is None and a.pre_norms and not a.qk_norm_whole)
 
     def _layer_stack(self) -> kernels.LayerStack | None:
         """The layers as one C++ call for decode / verification rows (kernels.LayerStack), or None where that
@@ -272,6 +294,8 @@ class CausalLM(nn.Module):
             # The logits row is always computed by the row-invariant path, also after prefill.
             with row_invariant(True):
                 logits = self.lm_head(x)
+            if self.args.logit_divisor is not None:  # Granite: HF divides (not multiplies by the inverse)
+                logits = logits / self.args.logit_divisor
             cap = self.args.final_softcap
             if cap is not None:  # elementwise: a row's values do not depend on the other rows
                 # -inf (ids a truncated draft head cannot propose) stays -inf rather than becoming -cap

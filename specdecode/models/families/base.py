@@ -29,6 +29,7 @@ class GGUFArch:
     transform: Callable[[str], Callable[[torch.Tensor], torch.Tensor] | None]  # HF name -> its tensor's fix
     config: Callable[[Callable[..., Any], dict], dict]  # (metadata getter, the Llama-style config) -> config
     chat_template: str | None = None                # for files that carry none (the family's own format)
+    rope_permuted: bool = False                     # Q/K rows reordered for llama.cpp's rope, as for Llama
 
 
 def rope_params(c: dict) -> tuple[float, dict | None]:
