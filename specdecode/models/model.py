@@ -17,6 +17,7 @@ from specdecode.layers import kernels
 from specdecode.layers.activation import get_activation
 from specdecode.layers.attention import Attention, ForwardBatch
 from specdecode.layers.linear import Linear, row_invariant
+from specdecode.layers.moe import MoEArgs, SparseMoE
 from specdecode.layers.norm import LayerNorm, RMSNorm
 from specdecode.layers.rotary import Rotary, apply_rotary
 
@@ -56,6 +57,7 @@ class ModelArgs:
     final_softcap: float | None = None      # the same on the logits
     embed_scale: float | None = None        # embeddings times this, rounded to their dtype
     sandwich_norms: bool = False            # also norm the attention and MLP outputs before the residual add
+    moe: MoEArgs | None = None              # mixtures of experts (layers.moe): the MLP of its sparse layers
 
 
 def _rows_dynamic(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -83,10 +85,12 @@ class Block(nn.Module):
             self.q_norm, self.k_norm = RMSNorm(d, a.norm_eps), RMSNorm(d, a.norm_eps)
         self.attn = Attention(a.num_heads, a.num_kv_heads, d, a.attn_scale or d ** -0.5,
                               a.sliding_window if self.sliding else None, a.attn_softcap)
-        if a.gated_mlp:
-            self.gate_proj = Linear(h, a.intermediate_size, a.mlp_bias)
-        self.up_proj = Linear(h, a.intermediate_size, a.mlp_bias)
-        self.down_proj = Linear(a.intermediate_size, h, a.mlp_bias)
+        self.moe = SparseMoE(h, a.moe, a.activation) if a.moe is not None and a.moe.is_sparse(index) else None
+        if self.moe is None:
+            if a.gated_mlp:
+                self.gate_proj = Linear(h, a.intermediate_size, a.mlp_bias)
+            self.up_proj = Linear(h, a.intermediate_size, a.mlp_bias)
+            self.down_proj = Linear(a.intermediate_size, h, a.mlp_bias)
         self.act = get_activation(a.activation)
         self.qkv_proj: Linear | None = None      # set by fuse_projections()
         self.gate_up_proj: Linear | None = None
@@ -98,7 +102,9 @@ class Block(nn.Module):
         under their checkpoint names; forward() runs on the fused layout only."""
         self.qkv_proj = Linear.concat([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
-        if self.a.gated_mlp:
+        if self.moe is not None:
+            self.moe.fuse_projections()
+        elif self.a.gated_mlp:
             self.gate_up_proj = Linear.concat([self.gate_proj, self.up_proj])
             del self.gate_proj, self.up_proj
 
@@ -132,12 +138,13 @@ class Block(nn.Module):
         out = self.o_proj(att)
         x = x + (self.post_attn_norm(out) if a.sandwich_norms else out)
         y = self.mlp_norm(x)
-        if a.gated_mlp:
+        if self.moe is not None:
+            out = self.moe(y)
+        elif a.gated_mlp:
             gate, up = self.gate_up_proj(y).chunk(2, dim=-1)
-            hidden = self.act(gate) * up
+            out = self.down_proj(self.act(gate) * up)
         else:
-            hidden = self.act(self.up_proj(y))
-        out = self.down_proj(hidden)
+            out = self.down_proj(self.act(self.up_proj(y)))
         return x + (self.post_mlp_norm(out) if a.sandwich_norms else out)
 
 
@@ -176,7 +183,7 @@ class CausalLM(nn.Module):
         return (a.norm == "rms" and self.rotary is not None and a.gated_mlp and a.activation in ("silu", "swish")
                 and not a.sliding_layers and self.local_rotary is None and a.attn_scale is None
                 and a.attn_softcap is None and a.final_softcap is None and a.embed_scale is None
-                and not a.sandwich_norms)
+                and not a.sandwich_norms and a.moe is None)
 
     def _layer_stack(self) -> kernels.LayerStack | None:
         """The layers as one C++ call for decode / verification rows (kernels.LayerStack), or None where that

@@ -7,20 +7,25 @@ from specdecode.models.families.gemma import GEMMA
 from specdecode.models.families.gemma import GGUF_ARCHS as _GEMMA_GGUF
 from specdecode.models.families.gpt2 import GPT2
 from specdecode.models.families.llama import LLAMA
+from specdecode.models.families.mixtral import MIXTRAL
 from specdecode.models.families.opt import OPT
+from specdecode.models.families.qwen_moe import GGUF_ARCHS as _QWEN_MOE_GGUF
+from specdecode.models.families.qwen_moe import QWEN_MOE
 
 FAMILIES: dict[str, Family] = {
     "llama": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA, "opt": OPT, "gpt2": GPT2, "gemma2": GEMMA, "gemma3": GEMMA,
+    "mixtral": MIXTRAL, "qwen2_moe": QWEN_MOE, "qwen3_moe": QWEN_MOE,
 }
 
 ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3", "OPTForCausalLM": "opt", "GPT2LMHeadModel": "gpt2",
     "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3",
+    "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 # GGUF architectures (llama.cpp's names) that differ from Llama's layout beyond models.gguf_loader's own table.
-GGUF_ARCHITECTURES: dict[str, GGUFArch] = {**_GEMMA_GGUF}
+GGUF_ARCHITECTURES: dict[str, GGUFArch] = {**_GEMMA_GGUF, **_QWEN_MOE_GGUF}
 
 
 def family_of(hf_config: dict) -> str:
