@@ -99,5 +99,9 @@ class SparseMoE(nn.Module):
         for j in range(1, k):
             out = out + parts[:, j]
         if self.m.shared_intermediate_size:
-            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+            shared = self.shared(x)
+            # The gate's sigmoid over a full row per token: over the [N, 1] column, which of the N values fell in
+            # the vectorized loop's scalar tail (rounded differently) would depend on N.
+            gate = torch.sigmoid(self.shared_gate(x).expand_as(shared).contiguous())
+            out = out + gate * shared
         return out
