@@ -164,6 +164,36 @@ def test_quantized_experts_stay_exact_under_speculation(fam, models, llm_cache, 
     _check_greedy(models[fam], want, prompts, llm_cache, quantization="w8a8")
 
 
+def test_compiled_rows_stay_invariant(models, one_thread):
+    """--compile: the layers compiled around the (eager) experts still give a row the same logits decoded alone
+    or verified with others, close to eager."""
+    from test_compile import eager_and_compiled_rows
+
+    out = eager_and_compiled_rows(models["qwen2_moe"], None, _prompt(VOCAB, n=30))
+    assert (out["eager"] - out["compiled"]).abs().max().item() < 1e-3
+
+
+def test_packed_cache_entry_holds_the_experts(models, tmp_path, monkeypatch, one_thread):
+    """A w8a8 Qwen2-MoE converted once and mapped back from the packed-weight cache: every expert, router and
+    shared-expert linear comes back in its format with the same bytes, and the logits are bitwise the same."""
+    from specdecode.layers.linear import Linear
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    first = load_model(models["qwen2_moe"], "float32", "cpu", 64, "w8a8", packed_cache=False)
+    load_model(models["qwen2_moe"], "float32", "cpu", 64, "w8a8", packed_cache=True)  # converts, writes the entry
+    assert list((tmp_path / "cache").rglob("*"))
+    again = load_model(models["qwen2_moe"], "float32", "cpu", 64, "w8a8", packed_cache=True)  # maps it
+    lins = [{n: m for n, m in x.model.named_modules() if isinstance(m, Linear)} for x in (first, again)]
+    assert lins[0].keys() == lins[1].keys() and "layers.1.moe.shared_gate" in lins[0]
+    for n, m in lins[0].items():
+        other = lins[1][n].packed
+        assert (m.packed.fmt, m.packed.weight.dtype) == (other.fmt, other.weight.dtype), n
+        assert torch.equal(m.packed.weight, other.weight), n
+    ids = _prompt(VOCAB, n=20)
+    logits = [ModelRunner(x, 1, 64, "cpu").forward_rows([(0, 0, ids)], all_logits=True)[0] for x in (first, again)]
+    assert torch.equal(*logits)
+
+
 def _run(llm, prompts, max_tokens=12):
     outs = llm.generate(prompt_token_ids=prompts, use_tqdm=False,
                         sampling_params=SamplingParams(max_tokens=max_tokens, logprobs=3, **GREEDY))

@@ -87,6 +87,9 @@ class SparseMoE(nn.Module):
         ids, order = ids.sort(dim=-1)  # the summation order: ascending expert id
         return ids, weights.gather(-1, order)
 
+    # Eager also under CausalLM.compile_decode: the per-expert groups have data-dependent sizes, and a graph
+    # specialized to a group of one could round differently from the general one.
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, k = x.shape[0], self.m.top_k
         ids, weights = self.route(x)
