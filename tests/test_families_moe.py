@@ -10,7 +10,6 @@ alone or among other tokens, in float32 and in the quantized formats.
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,13 +17,15 @@ import numpy as np
 import pytest
 import torch
 
-from helpers_spec import GREEDY, PROMPTS, gen_ids, llm_cache, one_thread  # noqa: F401  (fixtures)
+from helpers_spec import GREEDY, PROMPTS, llm_cache, one_thread  # noqa: F401  (fixtures)
 from specdecode import LLM, SamplingParams
 from specdecode.engine.model_runner import ModelRunner
 from specdecode.layers.moe import MoEArgs, SparseMoE
 from specdecode.models.families import FAMILIES as REGISTRY
 from specdecode.models.families import family_of
 from specdecode.models.loader import load_model
+import test_families
+from test_families import _ours
 from test_gguf_loader import _llamacpp_permute
 from test_hf_parity import _hf_greedy, _hf_logits, _hf_model, _prompt
 from tiny import VOCAB, build_tokenizer
@@ -103,26 +104,8 @@ def test_config_maps_onto_the_decoder(fam, models):
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_logits_match_transformers(fam, models, hf):
     """Prefill's last row, every row through the verification path, and a prefill of the first half followed by
-    the rest as one multi-token decode over the cached half: all transformers' logits."""
-    model = hf(fam)
-    ids = _prompt(VOCAB, n=40)
-    want = _hf_logits(model, ids)
-    runner = ModelRunner(load_model(models[fam], "float32", "cpu", 256, None), 2, 256, "cpu",
-                         kv_cache_dtype="float32")
-    last = runner.prefill(0, ids)
-    rows = runner.forward_rows([(1, 0, ids)], all_logits=True)[0]
-    h = 21
-    first = runner.prefill(0, ids[:h])
-    split = torch.cat([first[None], runner.forward_rows([(0, h, ids[h:])], all_logits=True)[0]])
-    for name, got, ref in (("prefill", last, want[-1]), ("verify rows", rows, want),
-                           ("prefill + cached decode", split, want[h - 1:])):
-        diff = (got - ref).abs().max().item()
-        assert diff < LOGITS_TOL, f"{fam} {name}: max abs logits diff {diff:.2e}"
-    assert want.std().item() > 0.1
-
-
-def _ours(llm, prompts, **kw) -> list[list[int]]:
-    return gen_ids(llm, prompts, max_tokens=N_GREEDY, **GREEDY, **kw)
+    the rest as one multi-token decode over the cached half: all transformers' logits (test_families' check)."""
+    test_families.test_logits_match_transformers(fam, models, hf)
 
 
 def _check_greedy(path, want: list[list[int]], prompts: list[list[int]], llm_cache, **kw) -> None:
@@ -194,34 +177,12 @@ def test_packed_cache_entry_holds_the_experts(models, tmp_path, monkeypatch, one
     assert torch.equal(*logits)
 
 
-def _run(llm, prompts, max_tokens=12):
-    outs = llm.generate(prompt_token_ids=prompts, use_tqdm=False,
-                        sampling_params=SamplingParams(max_tokens=max_tokens, logprobs=3, **GREEDY))
-    return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
-
-
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_prefix_caching_and_chunked_prefill_give_bitwise_the_same_output(fam, models, one_thread):
     """Prompts sharing a 70-token head (4 whole blocks): prefilled whole without the cache, or in chunks of 32
     with the head's blocks from the cache, the token ids and logprobs are bitwise the same, also when they
-    arrive together or run under n-gram speculation."""
-    rng = random.Random(1)
-    head = [rng.randrange(5, 500) for _ in range(70)]
-    prompts = [head + [rng.randrange(5, 500) for _ in range(9 + 3 * i)] for i in range(3)]
-    kw = dict(model=str(models[fam]), max_model_len=512, seed=0)
-    ref_llm = LLM(**kw, enable_prefix_caching=False, max_num_batched_tokens=4096,
-                  speculative_config={"method": "none"})
-    ref = [_run(ref_llm, [p])[0] for p in prompts]
-    llm = LLM(**kw, max_num_batched_tokens=32, speculative_config={"method": "none"})
-    got = [_run(llm, [p])[0] for p in prompts]
-    pool = llm.llm_engine.pool
-    assert pool.hits >= 2 * 64, "the shared head's 4 whole blocks must come from the cache"
-    assert got == ref
-    assert _run(llm, prompts) == ref  # together, all from the cache
-    spec = LLM(**kw, max_num_batched_tokens=32, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
-    assert [ids for ids, _ in _run(spec, prompts)] == [ids for ids, _ in ref]
-    pool.check_consistency()
-    assert pool.num_used_blocks == 0
+    arrive together or run under n-gram speculation (test_families' check)."""
+    test_families.test_prefix_caching_and_chunked_prefill_give_bitwise_the_same_output(fam, models, None)
 
 
 # ------------------------------------------------------------------------------------------- row invariance
@@ -360,7 +321,8 @@ def test_gguf_gives_transformers_greedy_tokens(fam, models, gguf_files, hf, llm_
     path = gguf_files[fam]
     config = read_gguf(path).config
     assert family_of(config) == fam
-    got, want = (REGISTRY[fam].make_args(c, fam) for c in (config, json.loads((models[fam] / "config.json").read_text())))
+    hf_config = json.loads((models[fam] / "config.json").read_text())
+    got, want = (REGISTRY[fam].make_args(c, fam) for c in (config, hf_config))
     assert got.norm_eps == pytest.approx(want.norm_eps)  # a float32 in the file
     assert replace(got, norm_eps=want.norm_eps) == want
     ours = dict(load_model(path, "float32", "cpu", 64, None).model.state_dict())

@@ -3,9 +3,9 @@
 Speculation pays when a pass over k + 1 rows costs little more than a pass over one: on a CPU a decode pass is
 bound by reading the weights, and a dense model reads them once whatever the row count. A mixture of experts
 reads only the experts its rows are routed to, so a pass over 5 tokens can read up to 5 times as many expert
-weights as a pass over one. This times both models' passes over 1..5 rows with the adaptive policy's own
-calibration (speculative/adaptive/calibration.py), and says which k the policy (planner.choose_k) picks for
-n-gram drafts at a range of acceptance rates.
+weights as a pass over one. This times both models' passes over 1..5 rows, interleaved, and gives each model's
+timings to the adaptive policy's cost model to say which k it picks (planner.choose_k) for n-gram drafts at a
+range of acceptance rates.
 
 Both models are random (the cost does not depend on the values, only the MoE's routing spreads tokens over
 experts as a trained router does), with float weights packed into ``--quantization`` (w8a8 is what "auto"
@@ -19,6 +19,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -27,7 +28,7 @@ from specdecode.layers.linear import Linear
 from specdecode.layers.moe import MoEArgs
 from specdecode.models.loader import LoadedModel
 from specdecode.models.model import CausalLM, ModelArgs
-from specdecode.speculative.adaptive.calibration import calibrate
+from specdecode.speculative.adaptive.calibration import _cpu_times, other_cpu_share
 from specdecode.speculative.adaptive.costs import CostModel
 from specdecode.speculative.adaptive.planner import choose_k
 
@@ -58,9 +59,28 @@ def random_model(args: ModelArgs, quantization: str | None, seed: int = 0) -> Lo
     return LoadedModel(model, {}, Path("random"), False, MAX_LEN)
 
 
-def measure(args: ModelArgs, quantization: str | None, repeats: int) -> CostModel:
-    runner = ModelRunner(random_model(args, quantization), 1, MAX_LEN, "cpu")
-    return calibrate(runner, None, K_MAX, MAX_LEN, repeats=repeats, contexts=(32, 512))
+def time_passes(runners: dict[str, ModelRunner], rows: list[int], context: int, rounds: int,
+                clock: Callable[[], float] = time.perf_counter) -> dict[str, dict[int, float]]:
+    """Seconds of a verification pass over each row count after ``context`` tokens, per model: the fastest of
+    ``rounds`` rounds, each timing every model and row count back to back (in a rotating order), so that the
+    machine's drift and other processes' load hit both models alike; interference only ever slows a pass.
+    ``clock``: wall time, or on one thread the thread's CPU time (time.thread_time), which a machine shared
+    with busy processes leaves far steadier: time spent descheduled does not count."""
+    ids = torch.randint(0, min(r.vocab_size for r in runners.values()), (context + max(rows),),
+                        generator=torch.Generator().manual_seed(0)).tolist()
+    best = {name: dict.fromkeys(rows, float("inf")) for name in runners}
+    cells = [(name, n) for name in runners for n in rows]
+    with torch.inference_mode():
+        for r in runners.values():
+            r.prefill(0, ids[:context])
+        for rnd in range(rounds + 1):  # round 0 warms up
+            for name, n in cells[rnd % len(cells):] + cells[:rnd % len(cells)]:
+                t0 = clock()
+                out = runners[name].forward_rows([(0, context, ids[context:context + n])], all_logits=True)
+                int(out[0][-1].argmax())
+                if rnd:
+                    best[name][n] = min(best[name][n], clock() - t0)
+    return best
 
 
 def policy(costs: CostModel, context: int) -> dict[str, int]:
@@ -77,10 +97,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--quantization", default="w8a8", help="weight format of the linears; 'none' for float32")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: the thread's CPU time (needs --threads 1; for a machine shared with busy processes)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     o = ap.parse_args(argv)
     quant = None if o.quantization == "none" else o.quantization
+    if o.clock == "cpu" and o.threads != 1:
+        ap.error("--clock cpu times this thread only: use it with --threads 1")
+    if o.threads:
+        torch.set_num_threads(o.threads)
     heads = o.hidden // 64
     base = dict(vocab_size=o.vocab, hidden_size=o.hidden, num_layers=o.layers, num_heads=heads,
                 num_kv_heads=max(1, heads // 4), head_dim=64, max_position_embeddings=MAX_LEN)
@@ -88,16 +115,28 @@ def main(argv: list[str] | None = None) -> dict:
                     moe=MoEArgs(o.experts, o.active, o.expert_intermediate, norm_topk_prob=True), **base)
     # the same active parameters per token: one MLP as wide as the active experts together
     dense = ModelArgs(family="dense", intermediate_size=o.active * o.expert_intermediate, **base)
-    out = {"threads": torch.get_num_threads(), "quantization": quant, "shape": vars(o) | {"json": None}}
-    for name, args in (("dense", dense), ("moe", moe)):
-        t0 = time.perf_counter()
-        costs = measure(args, quant, o.repeats)
-        res = {"calibration_s": round(time.perf_counter() - t0, 1), "other_cpu_share": costs.other_cpu_share}
-        for ctx, table in sorted(costs.verify.items()):
-            res[f"ctx{ctx}"] = {"ms": {r: round(1e3 * s, 2) for r, s in sorted(table.items())},
-                                "ratio_5_to_1": round(table[5] / table[1], 2), "choose_k": policy(costs, ctx)}
-        out[name] = res
-        print(name, json.dumps(res))
+    out = {"threads": torch.get_num_threads(), "clock": o.clock, "quantization": quant,
+           "shape": vars(o) | {"json": None}}
+    runners = {name: ModelRunner(random_model(args, quant), 1, MAX_LEN, "cpu") for name, args in
+               (("dense", dense), ("moe", moe))}
+    # the dense model on the Python layers the MoE runs on (not the C++ layer stack): what is the experts' own
+    runners["dense_python"] = ModelRunner(random_model(dense, quant), 1, MAX_LEN, "cpu")
+    runners["dense_python"].model.fused_layers = False
+    rows = list(range(1, K_MAX + 2))
+    for ctx in (32, 512):
+        cpu0 = _cpu_times()
+        clock = time.thread_time if o.clock == "cpu" else time.perf_counter
+        best = time_passes(runners, rows, ctx, o.rounds, clock)
+        busy = other_cpu_share(cpu0, _cpu_times())
+        for name, table in best.items():
+            costs = CostModel()
+            for n, sec in table.items():
+                costs.add(ctx, n, sec)
+            res = {"ms": {n: round(1e3 * sec, 2) for n, sec in table.items()},
+                   "ratio_5_to_1": round(table[5] / table[1], 2), "choose_k": policy(costs, ctx),
+                   "other_cpu_share": None if busy is None else round(busy, 2)}
+            out.setdefault(name, {})[f"ctx{ctx}"] = res
+            print(name, f"ctx{ctx}", json.dumps(res))
     if o.json:
         o.json.write_text(json.dumps(out, indent=1))
     return out
