@@ -39,7 +39,7 @@ LAYERS = 3
 HF_KV = "float32"
 
 
-def build_moe(family: str, out: Path, seed: int = 0) -> Path:
+def build_moe(family: str, out: Path, seed: int = 0, **overrides) -> Path:
     """A tiny random MoE saved by transformers, its weights sharpened (as tiny.build_model does) so that greedy
     tokens and the routing are far from ties."""
     import transformers as T
@@ -47,7 +47,7 @@ def build_moe(family: str, out: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=0, hidden_size=64,
                   num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=1024, tie_word_embeddings=False, num_experts_per_tok=2)
+                  max_position_embeddings=1024, tie_word_embeddings=False, num_experts_per_tok=2, **overrides)
     if family == "mixtral":
         cfg = T.MixtralConfig(intermediate_size=96, num_local_experts=4, **common)
     elif family == "qwen3_moe":
@@ -132,6 +132,21 @@ def test_greedy_matches_transformers_plain_speculative_and_batched(fam, models, 
     want = [_hf_greedy(model, p, N_GREEDY) for p in prompts]
     assert len({tuple(w) for w in want}) == len(want)
     _check_greedy(models[fam], want, prompts, llm_cache, kv_cache_dtype=HF_KV)
+
+
+def test_mixtral_with_a_sliding_window(tmp_path, llm_cache, one_thread):
+    """Mixtral's config may set a sliding window (Mistral's): every layer then attends within it, as in
+    transformers, prompts and outputs running far past it."""
+    path = build_moe("mixtral", tmp_path / "swa", seed=1, sliding_window=8)
+    args = REGISTRY["mixtral"].make_args(json.loads((path / "config.json").read_text()), "mixtral")
+    assert args.sliding_window == 8 and args.sliding_layers == (True,) * LAYERS
+    model = _hf_model(path)
+    ids = _prompt(VOCAB, n=40)
+    runner = ModelRunner(load_model(path, "float32", "cpu", 256, None), 1, 256, "cpu", kv_cache_dtype="float32")
+    diff = (runner.forward_rows([(0, 0, ids)], all_logits=True)[0] - _hf_logits(model, ids)).abs().max().item()
+    assert diff < LOGITS_TOL
+    prompts = [ids[:24], REPEAT] + PROMPTS
+    _check_greedy(path, [_hf_greedy(model, p, N_GREEDY) for p in prompts], prompts, llm_cache, kv_cache_dtype=HF_KV)
 
 
 @pytest.mark.parametrize("fam", FAMILIES)
