@@ -25,7 +25,7 @@ from specdecode.models.families import FAMILIES as REGISTRY
 from specdecode.models.families import family_of
 from specdecode.models.loader import load_model
 import test_families
-from test_families import _ours
+from test_families import _ours, hf  # noqa: F401  (hf: a fixture, over this module's models)
 from test_gguf_loader import _llamacpp_permute
 from test_hf_parity import _hf_greedy, _hf_logits, _hf_model, _prompt
 from tiny import VOCAB, build_tokenizer
@@ -73,17 +73,6 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return {f: build_moe(f, root / f) for f in FAMILIES}
 
 
-@pytest.fixture(scope="module")
-def hf(models, one_thread):
-    memo = {}
-
-    def get(fam):
-        if fam not in memo:
-            memo[fam] = _hf_model(models[fam])
-        return memo[fam]
-    return get
-
-
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_config_maps_onto_the_decoder(fam, models):
     config = json.loads((models[fam] / "config.json").read_text())
@@ -108,6 +97,9 @@ def test_logits_match_transformers(fam, models, hf):
     test_families.test_logits_match_transformers(fam, models, hf)
 
 
+REPEAT = [17, 42, 99, 5, 300, 7] * 4  # n-gram drafts find matches in the prompt and in the looping output
+
+
 def _check_greedy(path, want: list[list[int]], prompts: list[list[int]], llm_cache, **kw) -> None:
     """Plain (each prompt alone and all batched) and n-gram speculation (k = 4; a repetitive prompt alone and
     all batched) give ``want``, and speculation accepted drafts."""
@@ -122,7 +114,15 @@ def _check_greedy(path, want: list[list[int]], prompts: list[list[int]], llm_cac
         assert sum(o.metrics.spec_decode.num_accepted_tokens for o in outs) > 0
 
 
-REPEAT = [17, 42, 99, 5, 300, 7] * 4  # n-gram drafts find matches in the prompt and in the looping output
+def _matches_transformers(path, model, llm_cache) -> None:
+    """The model at ``path`` (HF or GGUF) gives transformers' ``model``'s logits for a 40-token prompt and its
+    greedy tokens for that prompt's head and the usual prompts, plain, speculative and batched."""
+    ids = _prompt(VOCAB, n=40)
+    runner = ModelRunner(load_model(path, "float32", "cpu", 256, None), 1, 256, "cpu", kv_cache_dtype="float32")
+    diff = (runner.forward_rows([(0, 0, ids)], all_logits=True)[0] - _hf_logits(model, ids)).abs().max().item()
+    assert diff < LOGITS_TOL
+    prompts = [ids[:24], REPEAT] + PROMPTS
+    _check_greedy(path, [_hf_greedy(model, p, N_GREEDY) for p in prompts], prompts, llm_cache, kv_cache_dtype=HF_KV)
 
 
 @pytest.mark.parametrize("fam", FAMILIES)
@@ -140,13 +140,7 @@ def test_mixtral_with_a_sliding_window(tmp_path, llm_cache, one_thread):
     path = build_moe("mixtral", tmp_path / "swa", seed=1, sliding_window=8)
     args = REGISTRY["mixtral"].make_args(json.loads((path / "config.json").read_text()), "mixtral")
     assert args.sliding_window == 8 and args.sliding_layers == (True,) * LAYERS
-    model = _hf_model(path)
-    ids = _prompt(VOCAB, n=40)
-    runner = ModelRunner(load_model(path, "float32", "cpu", 256, None), 1, 256, "cpu", kv_cache_dtype="float32")
-    diff = (runner.forward_rows([(0, 0, ids)], all_logits=True)[0] - _hf_logits(model, ids)).abs().max().item()
-    assert diff < LOGITS_TOL
-    prompts = [ids[:24], REPEAT] + PROMPTS
-    _check_greedy(path, [_hf_greedy(model, p, N_GREEDY) for p in prompts], prompts, llm_cache, kv_cache_dtype=HF_KV)
+    _matches_transformers(path, _hf_model(path), llm_cache)
 
 
 @pytest.mark.parametrize("fam", FAMILIES)
@@ -344,13 +338,7 @@ def test_gguf_gives_transformers_greedy_tokens(fam, models, gguf_files, hf, llm_
     ref = dict(load_model(models[fam], "float32", "cpu", 64, None).model.state_dict())
     assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ref)
 
-    model = hf(fam)
-    ids = _prompt(VOCAB, n=40)
-    runner = ModelRunner(load_model(path, "float32", "cpu", 256, None), 1, 256, "cpu", kv_cache_dtype="float32")
-    diff = (runner.forward_rows([(0, 0, ids)], all_logits=True)[0] - _hf_logits(model, ids)).abs().max().item()
-    assert diff < LOGITS_TOL
-    prompts = [ids[:24], REPEAT] + PROMPTS
-    _check_greedy(path, [_hf_greedy(model, p, N_GREEDY) for p in prompts], prompts, llm_cache, kv_cache_dtype=HF_KV)
+    _matches_transformers(path, hf(fam), llm_cache)
 
 
 def test_gguf_expert_layouts_and_quantized_experts(models, tmp_path, one_thread):
