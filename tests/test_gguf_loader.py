@@ -213,9 +213,10 @@ def test_unsupported_architecture(tmp_path):
     from specdecode.models.gguf_loader import SUPPORTED_ARCHITECTURES
 
     names = ", ".join(sorted(SUPPORTED_ARCHITECTURES))  # every family's GGUF name, listed in the message
-    assert {"gemma2", "gemma3", "gpt2", "llama", "qwen2", "qwen3"} <= set(SUPPORTED_ARCHITECTURES)
-    with pytest.raises(ValueError, match=rf"'mamba'.*supported: {re.escape(names)}\."):
+    assert {"gemma2", "gemma3", "gpt2", "llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe"} <= set(SUPPORTED_ARCHITECTURES)
+    with pytest.raises(ValueError, match=rf"'mamba'.*supported: {re.escape(names)}\.") as e:
         read_gguf(tmp_path / "m.gguf")
+    assert str(e.value).endswith(f"supported: {names}.")
 
 
 def test_bad_inputs_raise_clear_errors(tmp_path):

@@ -304,6 +304,11 @@ _DECODER_RENAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_gate.bias": "mlp.gate_proj.bias",
     "ffn_up.weight": "mlp.up_proj.weight", "ffn_up.bias": "mlp.up_proj.bias",
     "ffn_down.weight": "mlp.down_proj.weight", "ffn_down.bias": "mlp.down_proj.bias",
+    # Mixtral (written as ``llama``): the router, and each projection's experts stacked in one 3-D tensor
+    "ffn_gate_inp.weight": "block_sparse_moe.gate.weight",
+    "ffn_gate_exps.weight": "block_sparse_moe.experts.{e}.w1.weight",
+    "ffn_up_exps.weight": "block_sparse_moe.experts.{e}.w3.weight",
+    "ffn_down_exps.weight": "block_sparse_moe.experts.{e}.w2.weight",
 }
 _DECODER_GLOBALS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                     "output.weight": "lm_head.weight"}
@@ -321,6 +326,8 @@ _GPT2_GLOBALS = {"token_embd.weight": "transformer.wte.weight", "position_embd.w
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 # RoPE scaling stored as tensors: Llama 3's frequency divisors; Phi-3's LongRoPE factors
 _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+# One expert's projection in files written before llama.cpp stacked the experts (blk.N.ffn_gate.E.weight).
+_OLD_EXPERT = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")
 
 
 def unpermute_rope_rows(t: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -348,6 +355,15 @@ def _map_names(arch: str, refs: dict[str, _TensorRef], heads: int, kv_heads: int
         if name in _ROPE_TENSORS:  # folded into config["rope_scaling"]
             continue
         m = _BLOCK.match(name)
+        old_expert = _OLD_EXPERT.match(m.group(2)) if m else None
+        if old_expert and f"ffn_{old_expert.group(1)}_exps.weight" in per_block:
+            hf = f"{prefix}.{m.group(1)}.{per_block[f'ffn_{old_expert.group(1)}_exps.weight']}"
+            out[hf.format(e=int(old_expert.group(2)))] = ref
+            continue
+        if m and "{e}" in per_block.get(m.group(2), ""):
+            template = f"{prefix}.{m.group(1)}.{per_block[m.group(2)]}"
+            out.update({template.format(e=e): r for e, r in enumerate(_split_experts(ref))})
+            continue
         if m and m.group(2) in per_block:
             hf = f"{prefix}.{m.group(1)}.{per_block[m.group(2)]}"
         elif name in globals_:
@@ -367,6 +383,32 @@ def _map_names(arch: str, refs: dict[str, _TensorRef], heads: int, kv_heads: int
     if unknown:
         raise ValueError(f"GGUF tensors {unknown[:5]}{' ...' if len(unknown) > 5 else ''} have no HF equivalent "
                          f"for the {arch!r} architecture; this file is not a plain {arch} model.")
+    return out
+
+
+def _split_experts(ref: _TensorRef) -> list[_TensorRef]:
+    """A 3-D stack of experts' weights (GGUF dims: in, out, experts) as one 2-D reference per expert: each expert
+    is a contiguous run of whole rows, so its bytes are a slice of the tensor's."""
+    if len(ref.dims) != 3:
+        raise ValueError(f"tensor {ref.gguf_name} has shape {ref.dims}; expected (in, out, experts)")
+    n = ref.dims[2]
+    size = ref.nbytes // n
+    return [_TensorRef(ref.gguf_name, ref.qtype, ref.dims[:2], ref.offset + e * size, size) for e in range(n)]
+
+
+def _moe_config(get: Callable[..., Any], refs: dict[str, _TensorRef], layers: int) -> dict:
+    """The HF keys of a mixture of experts (Mixtral's and Qwen-MoE's names) from llama.cpp's metadata; the layers
+    without a router keep a dense MLP (Qwen-MoE's mlp_only_layers)."""
+    experts, used = get("expert_count"), get("expert_used_count")
+    if not experts or not used:
+        raise ValueError("the file has expert tensors but no expert_count / expert_used_count metadata")
+    ff = get("expert_feed_forward_length") or get("feed_forward_length", required=True)
+    out = {"num_local_experts": int(experts), "num_experts": int(experts), "num_experts_per_tok": int(used),
+           "moe_intermediate_size": int(ff), "decoder_sparse_step": 1,
+           "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in refs]}
+    shared = get("expert_shared_feed_forward_length")
+    if shared:
+        out["shared_expert_intermediate_size"] = int(shared)
     return out
 
 
@@ -481,7 +523,7 @@ def _build_config(arch: str, meta: dict, refs: dict[str, _TensorRef], mm) -> dic
         scaling = _longrope_scaling(get, refs, mm, ctx)
     config = {
         **common,
-        "hidden_size": hidden, "intermediate_size": int(get("feed_forward_length", required=True)),
+        "hidden_size": hidden, "intermediate_size": int(get("feed_forward_length", 0)),
         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": int(kv_heads),
         "head_dim": head_dim, "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": theta, "rope_scaling": scaling, "max_position_embeddings": ctx, "hidden_act": "silu",
@@ -490,6 +532,13 @@ def _build_config(arch: str, meta: dict, refs: dict[str, _TensorRef], mm) -> dic
     }
     if arch == "llama":
         config = _llama_window(get, config)
+    if any(n.endswith(".ffn_gate_inp.weight") for n in refs):
+        config.update(_moe_config(get, refs, layers))
+        if arch == "llama":
+            config["architectures"] = ["MixtralForCausalLM"]
+    elif not config["intermediate_size"]:
+        raise ValueError(f"GGUF metadata lacks {arch}.feed_forward_length; the file is incomplete or not a {arch} "
+                         "model.")
     return GGUF_ARCHITECTURES[arch].config(get, config) if arch in GGUF_ARCHITECTURES else config
 
 

@@ -17,6 +17,7 @@ from specdecode.layers import kernels
 from specdecode.layers.activation import get_activation
 from specdecode.layers.attention import Attention, ForwardBatch
 from specdecode.layers.linear import Linear, row_invariant
+from specdecode.layers.moe import MoEArgs, SparseMoE
 from specdecode.layers.norm import LayerNorm, RMSNorm
 from specdecode.layers.rotary import Rotary, apply_rotary
 
@@ -62,6 +63,7 @@ class ModelArgs:
     logit_divisor: float | None = None      # logits divided by this (Granite's logits_scaling)
     pre_norms: bool = True                  # norm before attention and MLP (False: OLMo 2, only after them)
     qk_norm_whole: bool = False             # q/k norm over the whole projection, not per head (OLMo 2)
+    moe: MoEArgs | None = None              # mixtures of experts (layers.moe): the MLP of its sparse layers
 
 
 def _rows_dynamic(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -91,10 +93,12 @@ class Block(nn.Module):
             self.q_norm, self.k_norm = RMSNorm(qd, a.norm_eps), RMSNorm(kd, a.norm_eps)
         self.attn = Attention(a.num_heads, a.num_kv_heads, d, a.attn_scale or d ** -0.5,
                               a.sliding_window if self.sliding else None, a.attn_softcap)
-        if a.gated_mlp:
-            self.gate_proj = Linear(h, a.intermediate_size, a.mlp_bias)
-        self.up_proj = Linear(h, a.intermediate_size, a.mlp_bias)
-        self.down_proj = Linear(a.intermediate_size, h, a.mlp_bias)
+        self.moe = SparseMoE(h, a.moe, a.activation) if a.moe is not None and a.moe.is_sparse(index) else None
+        if self.moe is None:
+            if a.gated_mlp:
+                self.gate_proj = Linear(h, a.intermediate_size, a.mlp_bias)
+            self.up_proj = Linear(h, a.intermediate_size, a.mlp_bias)
+            self.down_proj = Linear(a.intermediate_size, h, a.mlp_bias)
         self.act = get_activation(a.activation)
         self.qkv_proj: Linear | None = None      # set by fuse_projections()
         self.gate_up_proj: Linear | None = None
@@ -106,7 +110,9 @@ class Block(nn.Module):
         under their checkpoint names; forward() runs on the fused layout only."""
         self.qkv_proj = Linear.concat([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
-        if self.a.gated_mlp:
+        if self.moe is not None:
+            self.moe.fuse_projections()
+        elif self.a.gated_mlp:
             self.gate_up_proj = Linear.concat([self.gate_proj, self.up_proj])
             del self.gate_proj, self.up_proj
 
@@ -150,12 +156,14 @@ class Block(nn.Module):
         a = self.a
         x = self._residual(x, self.o_proj(att), "post_attn_norm")
         y = self.mlp_norm(x) if a.pre_norms else x
-        if a.gated_mlp:
+        if self.moe is not None:
+            out = self.moe(y)
+        elif a.gated_mlp:
             gate, up = self.gate_up_proj(y).chunk(2, dim=-1)
-            hidden = self.act(gate) * up
+            out = self.down_proj(self.act(gate) * up)
         else:
-            hidden = self.act(self.up_proj(y))
-        return self._residual(x, self.down_proj(hidden), "post_mlp_norm")
+            out = self.down_proj(self.act(self.up_proj(y)))
+        return self._residual(x, out, "post_mlp_norm")
 
 
 class CausalLM(nn.Module):
@@ -198,7 +206,7 @@ class CausalLM(nn.Module):
                 and not a.sliding_layers and self.local_rotary is None and a.attn_scale is None
                 and a.attn_softcap is None and a.final_softcap is None and a.embed_scale is None
                 and not a.sandwich_norms and a.rotary_dim in (None, a.head_dim) and a.residual_scale is None
-                and a.logit_divisor is None and a.pre_norms and not a.qk_norm_whole)
+                and a.logit_divisor is None and a.pre_norms and not a.qk_norm_whole and a.moe is None)
 
     def _layer_stack(self) -> kernels.LayerStack | None:
         """The layers as one C++ call for decode / verification rows (kernels.LayerStack), or None where that
