@@ -6,6 +6,8 @@ restores the thread count when its scope ends.
 """
 from __future__ import annotations
 
+import logging
+
 import json
 import shutil
 from pathlib import Path
@@ -182,3 +184,18 @@ def other_tokenizer_draft(tiny_models, tiny_dir) -> Path:
         (d / f).unlink(missing_ok=True)
     build_other_tokenizer(d, size)
     return d
+
+
+def warnings_of(fn) -> list[str]:
+    """The warnings the "specdecode" logger gives while fn() runs. Our own handler on that logger: caplog relies on
+    propagation to the root logger, which a CLI run in the same process may have turned off."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    log = logging.getLogger("specdecode")
+    log.addHandler(handler)
+    try:
+        fn()
+    finally:
+        log.removeHandler(handler)
+    return [r.getMessage() for r in records if r.levelno >= logging.WARNING]

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from helpers_spec import one_thread, sharp_draft, sharp_target  # noqa: F401  (fixtures)
-from test_server import scrape, serve
+from test_server import scrape, serve_pair
 from test_tools import PARAMS as SCHEMAS, UNITS, WEATHER
 
 anthropic = pytest.importorskip("anthropic")
@@ -29,11 +29,7 @@ TURNS = [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", 
 
 @pytest.fixture(scope="module")
 def url(one_thread, sharp_target, sharp_draft):
-    from specdecode.entrypoints.openai.api_server import build_app
-
-    kw = {"model": str(sharp_target), "speculative_model": str(sharp_draft), "num_speculative_tokens": 4,
-          "max_model_len": 512, "max_num_seqs": 4}
-    with serve(build_app(kw, MODEL, KEY)) as u:
+    with serve_pair(sharp_target, sharp_draft, MODEL, KEY) as u:
         yield u
 
 

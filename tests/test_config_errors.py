@@ -12,7 +12,7 @@ from specdecode import LLM, Engine, SamplingParams
 from specdecode.config import SpeculativeConfig, speculative_config
 
 from helpers_spec import (GREEDY, PROMPTS, copy_model, edit_config, gen_ids, llm_cache,  # noqa: F401
-                          one_thread, other_tokenizer_draft)
+                          one_thread, other_tokenizer_draft, warnings_of)
 
 
 def _raises(fn, *patterns: str) -> str:
@@ -84,46 +84,16 @@ def test_draft_with_padded_embedding_rows_is_accepted(one_thread, tiny_models, t
 
 
 def test_draft_larger_than_target_warns(one_thread, tiny_models, tiny_draft):
-    import logging
-
-    # Our own handler on the "specdecode" logger: caplog relies on propagation to the root logger, which a
-    # CLI run in the same process may have turned off.
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = records.append
-    log = logging.getLogger("specdecode")
-    log.addHandler(handler)
-    try:
-        LLM(str(tiny_draft), speculative_model=str(tiny_models["llama"]), num_speculative_tokens=2,
-            max_model_len=64)
-    finally:
-        log.removeHandler(handler)
-    msgs = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    msgs = warnings_of(lambda: LLM(str(tiny_draft), speculative_model=str(tiny_models["llama"]),
+                                   num_speculative_tokens=2, max_model_len=64))
     # Both parameter counts are named (tiny models: 0.1M-sized numbers).
     assert any("larger" in m and len(re.findall(r"\d+(?:\.\d+)?M", m)) >= 2 for m in msgs), msgs
-
-
-def _warnings_of(fn) -> list[str]:
-    """The warnings the "specdecode" logger gives while fn() runs (our own handler: caplog relies on propagation
-    to the root logger, which a CLI run in the same process may have turned off)."""
-    import logging
-
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = records.append
-    log = logging.getLogger("specdecode")
-    log.addHandler(handler)
-    try:
-        fn()
-    finally:
-        log.removeHandler(handler)
-    return [r.getMessage() for r in records if r.levelno >= logging.WARNING]
 
 
 def test_draft_not_much_smaller_warns(one_thread, tiny_models, tiny_dir):
     """A draft the target's own size cannot pay: the warning says so and names both models."""
     same = copy_model(tiny_models["llama"], tiny_dir / "llama_same_size_draft")
-    msgs = _warnings_of(lambda: LLM(str(tiny_models["llama"]), speculative_model=str(same),
+    msgs = warnings_of(lambda: LLM(str(tiny_models["llama"]), speculative_model=str(same),
                                     num_speculative_tokens=2, max_model_len=64))
     assert any("not much smaller" in m and "cannot pay" in m and str(same) in m and str(tiny_models["llama"]) in m
                for m in msgs), msgs
@@ -139,7 +109,7 @@ def test_draft_differing_only_in_added_special_tokens_works_with_a_warning(one_t
     tok.add_special_tokens({"additional_special_tokens": ["<|tool_call|>"]})
     tok.save_pretrained(str(d))
     llm = []
-    msgs = _warnings_of(lambda: llm.append(LLM(str(tiny_models["llama"]), speculative_model=str(d),
+    msgs = warnings_of(lambda: llm.append(LLM(str(tiny_models["llama"]), speculative_model=str(d),
                                                num_speculative_tokens=3, max_model_len=64)))
     assert any("only in added special tokens" in m and "<|tool_call|>" in m for m in msgs), msgs
     plain = LLM(str(tiny_models["llama"]), max_model_len=64)

@@ -8,12 +8,13 @@ chunked prefill on or off.
 """
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
-from helpers_spec import GREEDY, PROMPTS, gen_ids, llm_cache, one_thread  # noqa: F401  (fixtures)
+from helpers_families import (LOGITS_TOL, N_GREEDY, add_gpt2_vocab, greedy_check, logits_check, ours,
+                              prefix_cache_check)
+from helpers_spec import GREEDY, PROMPTS, llm_cache, one_thread  # noqa: F401  (fixtures)
 from specdecode import LLM, SamplingParams
 from specdecode.engine.model_runner import ModelRunner
 from specdecode.models.families import FAMILIES as REGISTRY
@@ -23,10 +24,6 @@ from test_hf_parity import _hf_greedy, _hf_logits, _hf_model, _prompt
 from tiny import build_model
 
 FAMILIES = ("gemma2", "gemma3")
-# With a float32 KV cache our logits are transformers' up to float32 rounding (about 2e-6 here); the default
-# 16-bit cache rounds keys and values, which four layers of these tiny models amplify to about 2e-3.
-LOGITS_TOL = 1e-4
-N_GREEDY = 32
 WINDOW = 8
 
 
@@ -67,23 +64,10 @@ def test_config_maps_onto_the_decoder(fam, models):
 
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_logits_match_transformers(fam, models, hf):
-    """Prefill's last row, every row through the verification path, and a prefill of the first half followed by
-    the rest as one multi-token decode over the cached half: all transformers' logits."""
+    """Prefill's last row, every row through the verification path, and a prefill of the first 21 tokens followed
+    by the rest as one multi-token decode over the cached part: all transformers' logits."""
     model = hf(fam)
-    ids = _prompt(model.config.vocab_size, n=40)  # past the window, over two block boundaries
-    want = _hf_logits(model, ids)
-    runner = ModelRunner(load_model(models[fam], "float32", "cpu", 256, None), 2, 256, "cpu",
-                         kv_cache_dtype="float32")
-    last = runner.prefill(0, ids)
-    rows = runner.forward_rows([(1, 0, ids)], all_logits=True)[0]
-    h = 21
-    first = runner.prefill(0, ids[:h])
-    split = torch.cat([first[None], runner.forward_rows([(0, h, ids[h:])], all_logits=True)[0]])
-    for name, got, ref in (("prefill", last, want[-1]), ("verify rows", rows, want),
-                           ("prefill + cached decode", split, want[h - 1:])):
-        diff = (got - ref).abs().max().item()
-        assert diff < LOGITS_TOL, f"{fam} {name}: max abs logits diff {diff:.2e}"
-    assert want.std().item() > 0.1
+    logits_check(models[fam], model, _prompt(model.config.vocab_size, n=40), fam)  # past the window, 2 blocks
 
 
 def test_multimodal_gemma3_checkpoint_loads_its_language_model(tmp_path, one_thread):
@@ -117,28 +101,13 @@ def test_multimodal_gemma3_checkpoint_loads_its_language_model(tmp_path, one_thr
 
     build_tokenizer(tmp_path)
     llm = LLM(str(tmp_path), max_model_len=128)
-    assert _ours(llm, [ids]) == [_hf_greedy(model, ids, N_GREEDY)]
-
-
-def _ours(llm, prompts, **kw) -> list[list[int]]:
-    return gen_ids(llm, prompts, max_tokens=N_GREEDY, **GREEDY, **kw)
+    assert ours(llm, [ids]) == [_hf_greedy(model, ids, N_GREEDY)]
 
 
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_greedy_matches_transformers_plain_speculative_and_batched(fam, models, hf, llm_cache):
     model = hf(fam)
-    repeat = [17, 42, 99, 5, 300, 7] * 4  # n-gram drafts find matches in the prompt and in the looping output
-    prompts = [_prompt(model.config.vocab_size, n=24, seed=0), repeat] + PROMPTS
-    want = [_hf_greedy(model, p, N_GREEDY) for p in prompts]
-    plain = llm_cache.get(models[fam], max_model_len=128)
-    assert [_ours(plain, [p])[0] for p in prompts] == want
-    assert _ours(plain, prompts) == want  # batched with each other
-    ngram = llm_cache.get(models[fam], max_model_len=128, speculative_model="[ngram]", num_speculative_tokens=4)
-    for batch in ([prompts[1]], prompts):
-        outs = ngram.generate(prompt_token_ids=batch, use_tqdm=False,
-                              sampling_params=SamplingParams(max_tokens=N_GREEDY, **GREEDY))
-        assert [list(o.outputs[0].token_ids) for o in outs] == [want[prompts.index(p)] for p in batch]
-        assert sum(o.metrics.spec_decode.num_accepted_tokens for o in outs) > 0
+    greedy_check(models[fam], model, _prompt(model.config.vocab_size, n=24, seed=0), llm_cache)
 
 
 @pytest.mark.parametrize("fam", FAMILIES)
@@ -151,34 +120,12 @@ def test_compiled_rows_stay_invariant(fam, models, one_thread):
     assert (out["eager"] - out["compiled"]).abs().max().item() < 1e-3
 
 
-def _run(llm, prompts, max_tokens=12):
-    outs = llm.generate(prompt_token_ids=prompts, use_tqdm=False,
-                        sampling_params=SamplingParams(max_tokens=max_tokens, logprobs=3, **GREEDY))
-    return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
-
-
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_prefix_caching_and_chunked_prefill_give_bitwise_the_same_output(fam, models, one_thread):
     """Prompts sharing a 70-token head (4 whole blocks, far past the window): prefilled whole without the
     cache, or in chunks of 32 with the head's blocks from the cache, the token ids and logprobs are bitwise
     the same, also when they arrive together or run under n-gram speculation."""
-    rng = random.Random(1)
-    head = [rng.randrange(5, 500) for _ in range(70)]
-    prompts = [head + [rng.randrange(5, 500) for _ in range(9 + 3 * i)] for i in range(3)]
-    kw = dict(model=str(models[fam]), max_model_len=512, seed=0)
-    ref_llm = LLM(**kw, enable_prefix_caching=False, max_num_batched_tokens=4096,
-                  speculative_config={"method": "none"})
-    ref = [_run(ref_llm, [p])[0] for p in prompts]
-    llm = LLM(**kw, max_num_batched_tokens=32, speculative_config={"method": "none"})
-    got = [_run(llm, [p])[0] for p in prompts]
-    pool = llm.llm_engine.pool
-    assert pool.hits >= 2 * 64, "the shared head's 4 whole blocks must come from the cache"
-    assert got == ref
-    assert _run(llm, prompts) == ref  # together, all from the cache
-    spec = LLM(**kw, max_num_batched_tokens=32, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
-    assert [ids for ids, _ in _run(spec, prompts)] == [ids for ids, _ in ref]
-    pool.check_consistency()
-    assert pool.num_used_blocks == 0
+    prefix_cache_check(models[fam])
 
 
 # ---------------------------------------------------------------------------------------------------- GGUF
@@ -216,17 +163,7 @@ def write_gemma_gguf(hf_dir, path):
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if c.get(key) is not None:
             w.add_float32(f"{arch}.{key}", c[key])
-    tok = json.loads((hf_dir / "tokenizer.json").read_text())
-    vocab = {i: t for t, i in tok["model"]["vocab"].items()}
-    vocab.update({a["id"]: a["content"] for a in tok["added_tokens"]})
-    tokens = [vocab.get(i, f"<unused{i}>") for i in range(c["vocab_size"])]
-    specials = {a["id"] for a in tok["added_tokens"]}
-    w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_array("tokenizer.ggml.tokens", tokens)
-    w.add_array("tokenizer.ggml.token_type", [3 if i in specials or i not in vocab else 1 for i in range(len(tokens))])
-    w.add_array("tokenizer.ggml.merges", [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    w.add_uint32("tokenizer.ggml.bos_token_id", c["bos_token_id"])
-    w.add_uint32("tokenizer.ggml.eos_token_id", c["eos_token_id"])
+    add_gpt2_vocab(w, hf_dir)
     for name, t in load_file(str(hf_dir / "model.safetensors")).items():
         if name == "model.embed_tokens.weight":
             gname = "token_embd.weight"
@@ -278,9 +215,9 @@ def test_gguf_gives_transformers_logits_and_greedy_tokens(fam, gguf_models, llm_
                   "local_rope_theta", "qk_norm", "embed_scale", "activation", "tie_embeddings"):
         assert getattr(got_args, field) == getattr(want_args, field), field
     assert any(got_args.sliding_layers) and not all(got_args.sliding_layers)
-    ours = dict(load_model(path, "float32", "cpu", 64, None).model.state_dict())
+    got = dict(load_model(path, "float32", "cpu", 64, None).model.state_dict())
     ref = dict(load_model(hf_dir, "float32", "cpu", 64, None).model.state_dict())
-    assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ref)
+    assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
 
     hf_model = _hf_model(hf_dir)
     ids = _prompt(hf_model.config.vocab_size, n=40)
@@ -290,8 +227,8 @@ def test_gguf_gives_transformers_logits_and_greedy_tokens(fam, gguf_models, llm_
     prompts = [ids[:24], [17, 42, 99, 5, 300, 7] * 4] + PROMPTS
     want = [_hf_greedy(hf_model, p, N_GREEDY) for p in prompts]
     plain = llm_cache.get(path, max_model_len=128)
-    assert [_ours(plain, [p])[0] for p in prompts] == want
-    assert _ours(plain, prompts) == want
+    assert [ours(plain, [p])[0] for p in prompts] == want
+    assert ours(plain, prompts) == want
     ngram = llm_cache.get(path, max_model_len=128, speculative_model="[ngram]", num_speculative_tokens=4)
     outs = ngram.generate(prompt_token_ids=prompts, use_tqdm=False,
                           sampling_params=SamplingParams(max_tokens=N_GREEDY, **GREEDY))

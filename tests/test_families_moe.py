@@ -24,8 +24,8 @@ from specdecode.layers.moe import MoEArgs, SparseMoE
 from specdecode.models.families import FAMILIES as REGISTRY
 from specdecode.models.families import family_of
 from specdecode.models.loader import load_model
-import test_families
-from test_families import _ours, hf  # noqa: F401  (hf: a fixture, over this module's models)
+from helpers_families import logits_check, ours, prefix_cache_check
+from test_families import hf  # noqa: F401  (hf: a fixture, over this module's models)
 from test_gguf_loader import _llamacpp_permute
 from test_hf_parity import _hf_greedy, _hf_logits, _hf_model, _prompt
 from tiny import VOCAB, build_tokenizer
@@ -94,7 +94,7 @@ def test_config_maps_onto_the_decoder(fam, models):
 def test_logits_match_transformers(fam, models, hf):
     """Prefill's last row, every row through the verification path, and a prefill of the first half followed by
     the rest as one multi-token decode over the cached half: all transformers' logits (test_families' check)."""
-    test_families.test_logits_match_transformers(fam, models, hf)
+    logits_check(models[fam], hf(fam), _prompt(VOCAB, n=40), fam)
 
 
 REPEAT = [17, 42, 99, 5, 300, 7] * 4  # n-gram drafts find matches in the prompt and in the looping output
@@ -104,8 +104,8 @@ def _check_greedy(path, want: list[list[int]], prompts: list[list[int]], llm_cac
     """Plain (each prompt alone and all batched) and n-gram speculation (k = 4; a repetitive prompt alone and
     all batched) give ``want``, and speculation accepted drafts."""
     plain = llm_cache.get(path, max_model_len=128, **kw)
-    assert [_ours(plain, [p])[0] for p in prompts] == want
-    assert _ours(plain, prompts) == want  # batched with each other
+    assert [ours(plain, [p])[0] for p in prompts] == want
+    assert ours(plain, prompts) == want  # batched with each other
     ngram = llm_cache.get(path, max_model_len=128, speculative_model="[ngram]", num_speculative_tokens=4, **kw)
     for batch in ([prompts[1]], prompts):
         outs = ngram.generate(prompt_token_ids=batch, use_tqdm=False,
@@ -152,7 +152,7 @@ def test_quantized_experts_stay_exact_under_speculation(fam, models, llm_cache, 
     assert layer.moe.experts[0].gate_up_proj.packed.fmt == "w8a8" and layer.moe.router.packed.fmt == "fp32"
     prompts = [_prompt(VOCAB, n=24, seed=0), REPEAT] + PROMPTS
     plain = llm_cache.get(models[fam], max_model_len=128, quantization="w8a8")
-    want = [_ours(plain, [p])[0] for p in prompts]
+    want = [ours(plain, [p])[0] for p in prompts]
     _check_greedy(models[fam], want, prompts, llm_cache, quantization="w8a8")
 
 
@@ -191,7 +191,7 @@ def test_prefix_caching_and_chunked_prefill_give_bitwise_the_same_output(fam, mo
     """Prompts sharing a 70-token head (4 whole blocks): prefilled whole without the cache, or in chunks of 32
     with the head's blocks from the cache, the token ids and logprobs are bitwise the same, also when they
     arrive together or run under n-gram speculation (test_families' check)."""
-    test_families.test_prefix_caching_and_chunked_prefill_give_bitwise_the_same_output(fam, models, None)
+    prefix_cache_check(models[fam])
 
 
 # ------------------------------------------------------------------------------------------- row invariance
@@ -334,9 +334,9 @@ def test_gguf_gives_transformers_greedy_tokens(fam, models, gguf_files, hf, llm_
     got, want = (REGISTRY[fam].make_args(c, fam) for c in (config, hf_config))
     assert got.norm_eps == pytest.approx(want.norm_eps)  # a float32 in the file
     assert replace(got, norm_eps=want.norm_eps) == want
-    ours = dict(load_model(path, "float32", "cpu", 64, None).model.state_dict())
+    got = dict(load_model(path, "float32", "cpu", 64, None).model.state_dict())
     ref = dict(load_model(models[fam], "float32", "cpu", 64, None).model.state_dict())
-    assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ref)
+    assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
 
     _matches_transformers(path, hf(fam), llm_cache)
 
@@ -370,7 +370,7 @@ def test_gguf_expert_layouts_and_quantized_experts(models, tmp_path, one_thread)
     assert model.layers[0].moe.experts[1].gate_up_proj.packed.fmt == "w8a8"
     prompts = [REPEAT] + PROMPTS
     plain = LLM(str(path), max_model_len=128, quantization="mixed", speculative_config={"method": "none"})
-    want = _ours(plain, prompts)
+    want = ours(plain, prompts)
     spec = LLM(str(path), max_model_len=128, quantization="mixed", speculative_model="[ngram]",
                num_speculative_tokens=4)
-    assert [_ours(spec, [p])[0] for p in prompts] == want and _ours(spec, prompts) == want
+    assert [ours(spec, [p])[0] for p in prompts] == want and ours(spec, prompts) == want

@@ -3,7 +3,6 @@ speculation off as one switch, and generate's chat template."""
 from __future__ import annotations
 
 import json
-import logging
 import re
 from pathlib import Path
 
@@ -13,6 +12,8 @@ from specdecode import presets
 from specdecode.config import EngineConfig, speculation_off
 from specdecode.entrypoints.cli import build_parser, main
 from specdecode.options import OPTIONS, kwargs_from_args, markdown_table
+
+from helpers_spec import warnings_of
 
 ROOT = Path(__file__).resolve().parent.parent
 P = presets.DEFAULT
@@ -115,17 +116,10 @@ def test_unknown_flag_names_close_matches(capsys):
 
 
 def test_vllm_options_that_do_not_apply_warn():
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = records.append
-    log = logging.getLogger("specdecode")
-    log.addHandler(handler)
-    try:
-        cfg = EngineConfig.from_kwargs(model=None, tensor_parallel_size=1, gpu_memory_utilization=0.9,
-                                       enforce_eager=True, trust_remote_code=True)
-    finally:
-        log.removeHandler(handler)
-    warned = " ".join(r.getMessage() for r in records)
+    got = []
+    warned = " ".join(warnings_of(lambda: got.append(EngineConfig.from_kwargs(
+        model=None, tensor_parallel_size=1, gpu_memory_utilization=0.9, enforce_eager=True, trust_remote_code=True))))
+    cfg = got[0]
     for name in ("tensor_parallel_size", "gpu_memory_utilization", "enforce_eager", "trust_remote_code"):
         assert name in warned
     assert cfg.max_num_seqs == 8

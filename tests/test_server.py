@@ -45,6 +45,15 @@ def serve(app):
         sock.close()
 
 
+@contextlib.contextmanager
+def serve_pair(target, draft, model: str, api_key: str | None = None):
+    """A server of ``target`` speculating with ``draft`` (k = 4, 4 requests at once) as ``model``; yields its URL."""
+    kw = {"model": str(target), "speculative_model": str(draft), "num_speculative_tokens": 4,
+          "max_model_len": 512, "max_num_seqs": 4}
+    with serve(build_app(kw, model, api_key)) as url:
+        yield url
+
+
 @pytest.fixture(scope="module")
 def engine_kwargs(tiny_models, tiny_draft):
     return {"model": str(tiny_models["llama"]), "speculative_model": str(tiny_draft), "num_speculative_tokens": 3,
