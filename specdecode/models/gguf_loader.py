@@ -349,6 +349,7 @@ def _map_names(arch: str, refs: dict[str, _TensorRef], heads: int, kv_heads: int
     family = GGUF_ARCHITECTURES.get(arch)
     if family is not None:
         per_block = {**per_block, **family.renames}
+    permuted = arch == "llama" or (family is not None and family.rope_permuted)  # Q/K rows in llama.cpp's order
     out: dict[str, _TensorRef] = {}
     unknown = []
     for name, ref in refs.items():
@@ -371,7 +372,6 @@ def _map_names(arch: str, refs: dict[str, _TensorRef], heads: int, kv_heads: int
         else:
             unknown.append(name)
             continue
-        permuted = arch == "llama" or (family is not None and family.rope_permuted)
         if permuted and m and m.group(2).startswith(("attn_q.", "attn_k.")):
             n = heads if m.group(2).startswith("attn_q.") else kv_heads
             ref.transform = lambda t, n=n: unpermute_rope_rows(t, n)
@@ -515,10 +515,7 @@ def _build_config(arch: str, meta: dict, refs: dict[str, _TensorRef], mm) -> dic
         scaling = {"rope_type": "yarn", "factor": float(factor),
                    "original_max_position_embeddings": int(get("rope.scaling.original_context_length", ctx))}
     if "rope_freqs.weight" in refs:
-        ref = refs["rope_freqs.weight"]
-        raw = np.frombuffer(mm, dtype=np.uint8, count=ref.nbytes, offset=ref.offset)
-        scaling = _fit_llama3_scaling(dequantize(raw, ref.qtype, ref.dims[0]).tolist(), theta, head_dim)
-        del raw
+        scaling = _fit_llama3_scaling(_vector(mm, refs["rope_freqs.weight"]), theta, head_dim)
     if "rope_factors_long.weight" in refs:  # Phi-3's LongRoPE, as convert_hf_to_gguf.py writes it
         scaling = _longrope_scaling(get, refs, mm, ctx)
     config = {
@@ -542,6 +539,12 @@ def _build_config(arch: str, meta: dict, refs: dict[str, _TensorRef], mm) -> dic
     return GGUF_ARCHITECTURES[arch].config(get, config) if arch in GGUF_ARCHITECTURES else config
 
 
+def _vector(mm, ref: _TensorRef) -> list[float]:
+    """A small 1-D tensor of the file (RoPE factors), decoded to floats."""
+    raw = np.frombuffer(mm, dtype=np.uint8, count=ref.nbytes, offset=ref.offset)
+    return dequantize(raw, ref.qtype, ref.dims[0]).tolist()
+
+
 def _llama_window(get: Callable[..., Any], config: dict) -> dict:
     """llama.cpp writes Mistral and Ministral as ``llama`` and runs them without their window; a file whose metadata
     does carry one (attention.sliding_window, with or without a per-layer sliding_window_pattern) reads back as the
@@ -562,12 +565,7 @@ def _longrope_scaling(get: Callable[..., Any], refs: dict[str, _TensorRef], mm, 
     """HF's longrope ``rope_parameters`` from rope_factors_long / rope_factors_short and the metadata."""
     if "rope_factors_short.weight" not in refs:
         raise ValueError("the file has rope_factors_long but no rope_factors_short; it is incomplete.")
-    factors = {}
-    for kind in ("long", "short"):
-        ref = refs[f"rope_factors_{kind}.weight"]
-        raw = np.frombuffer(mm, dtype=np.uint8, count=ref.nbytes, offset=ref.offset)
-        factors[kind] = dequantize(raw, ref.qtype, ref.dims[0]).tolist()
-        del raw
+    factors = {kind: _vector(mm, refs[f"rope_factors_{kind}.weight"]) for kind in ("long", "short")}
     old = int(get("rope.scaling.original_context_length", ctx))
     return {"rope_type": "longrope", "long_factor": factors["long"], "short_factor": factors["short"],
             "original_max_position_embeddings": old, "factor": ctx / old,

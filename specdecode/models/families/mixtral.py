@@ -10,16 +10,16 @@ from dataclasses import replace
 from specdecode.layers.moe import MoEArgs
 from specdecode.models.families.base import Family, map_simple
 from specdecode.models.families.llama import LLAMA_RENAMES, llama_args
+from specdecode.models.families.mistral import sliding_from_config
 from specdecode.models.model import ModelArgs
 
 
 def mixtral_args(c: dict, family: str) -> ModelArgs:
     a = llama_args(c, family)
-    window = c.get("sliding_window")
-    sliding = {} if not window else dict(sliding_window=int(window), sliding_layers=(True,) * a.num_layers)
+    window, sliding = sliding_from_config(c, per_layer=False)  # Mistral's window: every layer, where set
     moe = MoEArgs(num_experts=int(c["num_local_experts"]), top_k=int(c["num_experts_per_tok"]),
                   intermediate_size=a.intermediate_size, norm_topk_prob=True)
-    return replace(a, moe=moe, **sliding)
+    return replace(a, moe=moe, sliding_window=window, sliding_layers=sliding)
 
 
 _MIXTRAL_RENAMES = [
