@@ -258,6 +258,8 @@ OPTIONS: tuple[Option, ...] = (
            "and enforced for tool_choice required / named (vLLM's flag): hermes (`<tool_call>{json}</tool_call>`, "
            "Qwen2.5 / Qwen3 / Hermes); auto: hermes", scope="server", parse=choice(*tool_parser_names()),
            choices=tool_parser_names(), default="auto", flags=("--tool-call-parser",), group="server"),
+    Option("webui", "serve: the web chat page at / (--no-webui: the API only)", scope="server", default="on",
+           flags=("--webui",), boolean=True, group="server"),
 )
 
 # vLLM options that do not apply to this engine: accepted with a warning so that vLLM code runs unchanged.

@@ -2,8 +2,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from specdecode.speculative.metrics import SpecDecodeStats
+
+# Where an output token came from (CompletionOutput.token_origins). Drafts the target accepted: "lookup" (prompt
+# lookup, the suffix index, a predicted output, a grammar's text lookup), "draft" (the draft model), "grammar"
+# (text the request's grammar forces). The target's own token of a step: "bonus" (every draft was accepted),
+# "corrected" (it replaces the first rejected draft), "target" (the step drafted nothing: the first token, or
+# speculation off).
+TokenOrigin = Literal["lookup", "draft", "grammar", "bonus", "corrected", "target"]
+TOKEN_ORIGINS: tuple[str, ...] = ("lookup", "draft", "grammar", "bonus", "corrected", "target")
+DRAFTED_ORIGINS = frozenset({"lookup", "draft", "grammar"})
 
 
 @dataclass
@@ -29,6 +39,10 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None
+    # Per token of token_ids: where it came from, and where its text ends in ``text`` (characters; a token
+    # whose bytes complete no character yet ends where the one before it does; cut at a stop string)
+    token_origins: list[TokenOrigin] = field(default_factory=list)
+    token_text_ends: list[int] = field(default_factory=list)
 
 
 @dataclass

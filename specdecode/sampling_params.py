@@ -57,6 +57,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be generated
     # vLLM's: words that must not be generated; the last token of a word is refused where it would complete it
     bad_words: list[str] | None = None
+    # False: this request drafts nothing (plain decoding by the same target, so greedy output is the same); the
+    # engine's speculative method keeps serving the others. To compare speeds on one server.
+    speculative_decoding: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -133,6 +136,8 @@ class SamplingParams:
             if not isinstance(self.prediction, str):
                 bad(f"prediction must be a string (the expected output), got {type(self.prediction).__name__}.")
             check_text(self.prediction, "prediction")
+        if not isinstance(self.speculative_decoding, bool):
+            bad(f"speculative_decoding must be true or false, got {self.speculative_decoding!r}.")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             bad("structured_outputs must be a StructuredOutputsParams (from specdecode.sampling_params import "
                 f"StructuredOutputsParams), got {type(self.structured_outputs).__name__}.")

@@ -326,7 +326,7 @@ class LLMEngine:
         if proposer is not None:
             proposer.rollback(r, r.num_computed)
             proposer.note_target(r, logits[f if a >= f else 0])  # where the proposer's drafts began
-        self._commit(r, emitted, logits)
+        self._commit(r, emitted, logits, self._origins(r, drafts, f, a))
         r.num_forced += min(a, f)
         if a < f:
             learn_spelling(r, forced, a, emitted)
@@ -335,6 +335,19 @@ class LLMEngine:
             # Text-lookup drafts are the engine's, not the proposer's: for it, this step drafted nothing.
             own, ok = ([], 0) if r.text_drafted else (drafts[f:], a - f)
             proposer.observe(r, own, ok, emitted[f:])
+
+    def _origins(self, r: Request, drafts: list[int], f: int, a: int) -> list[str]:
+        """Where each token a step emits came from (outputs.TokenOrigin): its ``a`` accepted drafts (the first
+        ``f`` of them forced by the grammar), then the target's own token."""
+        own = a - min(a, f)
+        if not own:
+            source = []
+        elif r.text_drafted or self.proposer is None:
+            source = ["lookup"] * own
+        else:
+            source = self.proposer.draft_origins(r, own)
+        last = "target" if not drafts else "bonus" if a == len(drafts) else "corrected"
+        return ["grammar"] * min(a, f) + source + [last]
 
     def _prefill(self, reqs: list[Request], sizes: dict[Request, int]) -> None:
         """Prefill the next ``sizes[r]`` prompt tokens of each request in one target pass; at a prompt's end,
@@ -362,7 +375,7 @@ class LLMEngine:
             if self.proposer is not None:
                 self.proposer.note_target(r, lg)
                 self.proposer.prefill(r)
-            self._commit(r, result.tokens[0], lg[None])
+            self._commit(r, result.tokens[0], lg[None], ["target"])
 
     def _note_prompt_logprobs(self, r: Request, start: int, rows: torch.Tensor) -> None:
         """Prompt logprobs from a chunk's rows: row i (position start + i) gives the logprob of the prompt token
@@ -382,7 +395,7 @@ class LLMEngine:
         if spec is not None and spec.disable_by_batch_size and len(reqs) >= spec.disable_by_batch_size:
             return [0] * len(reqs)
         return [max(0, min(r.max_tokens - r.num_output_tokens - 1, self.max_model_len - len(r.all_token_ids)))
-                for r in reqs]
+                if r.params.speculative_decoding else 0 for r in reqs]
 
     def _rejection_sample(self, reqs: list[Request], logits: list[torch.Tensor], prop: Proposal):
         drafts, draft_probs = prop.tokens, prop.probs
@@ -413,8 +426,9 @@ class LLMEngine:
             processed.append(probs)
         return processed
 
-    def _commit(self, r: Request, tokens: list[int], logits: torch.Tensor) -> None:
-        """Append emitted tokens one by one, stopping exactly where plain decoding would stop."""
+    def _commit(self, r: Request, tokens: list[int], logits: torch.Tensor, origins: list[str]) -> None:
+        """Append emitted tokens one by one, stopping exactly where plain decoding would stop; ``origins``:
+        where each came from."""
         lps = (logprobs_of(logits[:len(tokens)], tokens, r.params.logprobs, self.token_text)
                if r.logprobs is not None else None)
         for j, t in enumerate(tokens):
@@ -424,6 +438,8 @@ class LLMEngine:
                 r.logprobs.append(lps[j])
                 r.cumulative_logprob += lps[j][t].logprob
             r.detok.add(t)
+            r.token_origins.append(origins[j])
+            r.token_text_ends.append(len(r.detok.text))
             grammar_done = commit_token(r, t)  # structured outputs: the grammar follows committed tokens only
             if self._check_stop(r, t) or grammar_done:
                 r.finish_reason = r.finish_reason or "stop"

@@ -54,6 +54,8 @@ class Request:
         self.noise = PositionNoise(params.seed) if params.seed is not None and not params.greedy else None
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
         self.text = ""        # the output text, truncated at a stop string
+        self.token_origins: list[str] = []   # per output token (outputs.TokenOrigin)
+        self.token_text_ends: list[int] = []  # per output token: where its text ends in detok.text
         self.sent_text = 0    # chars of text already streamed
         self.sent_tokens = 0
         self.logprobs: SampleLogprobs | None = [] if params.logprobs is not None else None
@@ -103,13 +105,17 @@ class Request:
             m.accepted_prediction_tokens, m.rejected_prediction_tokens = prediction_usage(self.prediction_ids,
                                                                                           self.output_token_ids)
         text, ids = self.text, self.output_token_ids
+        origins, ends = self.token_origins, self.token_text_ends
+        if len(ends) and ends[-1] > len(text):  # the text was cut at a stop string
+            ends = [min(e, len(text)) for e in ends]
         if delta:
             text, ids = text[self.sent_text:], ids[self.sent_tokens:]
+            origins, ends = origins[self.sent_tokens:], [e - self.sent_text for e in ends[self.sent_tokens:]]
         lp = self.logprobs
         if lp is not None and delta:
             lp = lp[self.sent_tokens:]
         return CompletionOutput(self.index, text, list(ids), self.cumulative_logprob if lp is not None else None,
-                                lp, self.finish_reason, self.stop_reason)
+                                lp, self.finish_reason, self.stop_reason, list(origins), list(ends))
 
     def to_output(self, delta: bool = False) -> RequestOutput:
         out = RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [self.completion(delta)],

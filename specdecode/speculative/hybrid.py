@@ -98,6 +98,13 @@ class HybridProposer(Proposer):
         return self.draft.draft(requests, [0 if u else d for u, d in zip(use, depths)], lookups=use,
                                 extend=extend)
 
+    def draft_origins(self, request, n: int) -> list[str]:
+        step = request.spec.sources or DraftSources()
+        if step.looked_up:
+            return ["lookup"] * n
+        copied = n if step.copied_from is None else step.copied_from
+        return ["draft" if j < copied else "lookup" for j in range(n)]
+
     def observe(self, request, drafted: list[int], accepted: int, emitted: list[int]) -> None:
         step = request.spec.sources or DraftSources()
         request.spec.sources = None

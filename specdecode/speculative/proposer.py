@@ -111,6 +111,11 @@ class Proposer:
         (``context_of``: where the engine drafts a prefix itself, the proposer's drafts follow it)."""
         raise NotImplementedError
 
+    def draft_origins(self, request, n: int) -> list[str]:
+        """Where the first ``n`` of this step's drafts for ``request`` came from ("lookup" or "draft", as in
+        outputs.TokenOrigin); asked after verification, before ``observe``."""
+        return ["lookup" if self.drafts_by_lookup else "draft"] * n
+
     def observe(self, request, drafted: list[int], accepted: int, emitted: list[int]) -> None:
         """The verification of request's drafts: the first ``accepted`` were kept, ``emitted`` were committed
         (accepted drafts plus the target's own token, cut where the request stops)."""

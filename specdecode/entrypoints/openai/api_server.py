@@ -115,8 +115,9 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> Callable[[APIEr
 def build_app(engine_kwargs: dict | None = None, served_model_name: str | list[str] | None = None,
               api_key: str | None = None, *, engine: AsyncLLMEngine | LLMEngine | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout: float = DEFAULT_BODY_TIMEOUT,
-              metrics_require_key: bool = False, tool_call_parser: str = "auto") -> FastAPI:
+              metrics_require_key: bool = False, tool_call_parser: str = "auto", webui: bool = True) -> FastAPI:
     """The FastAPI app. Loads the engine now (ValueError for bad settings) unless one is passed in.
+    ``webui``: serve the chat page at ``/`` (specdecode/entrypoints/webui).
 
     ``metrics_require_key``: /metrics is open by default, as in vLLM (scrapers rarely send keys); set it to
     put /metrics behind the API key too."""
@@ -148,6 +149,7 @@ def build_app(engine_kwargs: dict | None = None, served_model_name: str | list[s
     app = FastAPI(title="specdecode OpenAI-compatible server", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = OpenAIServing(**serving_args)
     app.state.engine = engine
+    app.state.webui = webui
     app.add_middleware(Gate, api_key=api_key, on_reject=metrics.on_http_error, max_body_bytes=max_body_bytes,
                        body_timeout=body_timeout, metrics_require_key=metrics_require_key)
     app.openapi = functools.partial(_openapi, app)
@@ -168,6 +170,9 @@ def build_app(engine_kwargs: dict | None = None, served_model_name: str | list[s
 
     for register in ROUTES:
         register(app, **serving_args)
+    if webui:
+        from specdecode.entrypoints.webui import routes as webui_routes
+        webui_routes.register(app)
     return app
 
 
@@ -226,7 +231,8 @@ def run_server(args: argparse.Namespace, model: str | None, engine: AsyncLLMEngi
                         max_body_bytes=getattr(args, "max_request_body_bytes", None) or DEFAULT_MAX_BODY_BYTES,
                         body_timeout=getattr(args, "request_body_timeout", None) or DEFAULT_BODY_TIMEOUT,
                         metrics_require_key=bool(getattr(args, "metrics_require_key", False)),
-                        tool_call_parser=getattr(args, "server.tool_call_parser", None) or "auto")
+                        tool_call_parser=getattr(args, "server.tool_call_parser", None) or "auto",
+                        webui=getattr(args, "server.webui", None) is not False)
     except (ValueError, OSError, RuntimeError) as e:
         if is_out_of_memory(e):  # the KV cache, allocated at load, sized by the flags
             _fail(out_of_memory_message(kw))
@@ -247,7 +253,8 @@ def run_server(args: argparse.Namespace, model: str | None, engine: AsyncLLMEngi
     server = _Server(config, app.state.engine, grace)
     host, port = sock.getsockname()[:2]
     print(f"specdecode: serving {app.state.server.names[0]} on http://{host}:{port} "
-          f"(OpenAI API under /v1; Ctrl+C to stop)", file=sys.stderr, flush=True)
+          f"(OpenAI API under /v1{'; chat page at /' if app.state.webui else ''}; Ctrl+C to stop)",
+          file=sys.stderr, flush=True)
     if threading.current_thread() is threading.main_thread():
         # uvicorn handles SIGINT/SIGTERM itself (stop accepting, let in-flight requests finish, lifespan
         # shutdown stops the engine) and then re-raises the signal to the previous handler: make that a

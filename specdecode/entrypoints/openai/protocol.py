@@ -126,6 +126,7 @@ class _SamplingRequest(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    speculative_decoding: bool = True  # specdecode's: false decodes this request without drafts (to compare)
 
     @field_validator("stop", "bad_words")
     @classmethod
@@ -208,7 +209,8 @@ class _SamplingRequest(_Request):
                                   ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
                                   include_stop_str_in_output=self.include_stop_str_in_output, seed=self.seed,
                                   stop=self.stop, stop_token_ids=self.stop_token_ids,
-                                  structured_outputs=self._constraint(tool_parser))
+                                  structured_outputs=self._constraint(tool_parser),
+                                  speculative_decoding=self.speculative_decoding)
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             v = getattr(self, name)
@@ -382,6 +384,9 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # passed to the chat template (Qwen3's enable_thinking)
+    # specdecode's: each choice (and each stream chunk's) carries its text cut into its tokens' pieces, each with
+    # where the token came from (outputs.TokenOrigin); the web page colours them
+    return_token_origins: bool = False
 
     @property
     def tool_mode(self) -> str:
@@ -442,6 +447,9 @@ class ChatCompletionRequest(_SamplingRequest):
         """``tool_parser``: the server's --tool-call-parser, whose format tool_choice required / named enforces."""
         if self.top_logprobs is not None and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs requires logprobs=true.")
+        if self.return_token_origins and self.tool_mode != "none":
+            raise ParamError("return_token_origins", "return_token_origins cannot be combined with tools: the "
+                                                     "origins describe the answer's text, and tool calls leave it.")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         params = self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, tool_parser)
         if self.prediction is not None:

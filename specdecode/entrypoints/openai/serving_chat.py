@@ -3,6 +3,7 @@ tools, calls read out of the reply (and, for tool_choice required or named, enfo
 tool-call parser."""
 from __future__ import annotations
 
+import bisect
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -68,8 +69,9 @@ class OpenAIServingChat(OpenAIServing):
                 calls = calls or None
                 if calls and finish == "stop":
                     finish = "tool_calls"
+            extra = {"token_origins": origin_pieces(c, 0, len(c.text))} if body.return_token_origins else {}
             choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=content, tool_calls=calls),
-                                      logprobs=lp, finish_reason=finish, stop_reason=c.stop_reason))
+                                      logprobs=lp, finish_reason=finish, stop_reason=c.stop_reason, **extra))
         resp = ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage_of([out]),
                                       spec_decode=spec_of([out]))
         return resp.model_dump()
@@ -97,6 +99,7 @@ class OpenAIServingChat(OpenAIServing):
                 ch = choices[c.index]
                 if ch.done:
                     continue
+                start = ch.text
                 delta, ntok = ch.delta(c, hold)
                 finished = c.finish_reason is not None
                 if not delta and not finished and (not body.logprobs or ntok == ch.tokens):
@@ -114,15 +117,30 @@ class OpenAIServingChat(OpenAIServing):
                 finish = c.finish_reason if finished else None
                 if finish == "stop" and c.index in called:
                     finish = "tool_calls"
+                extra = {"token_origins": origin_pieces(c, start, ch.text)} if body.return_token_origins else {}
                 cs.append(ChatStreamChoice(index=ch.index,
                                            delta=DeltaMessage(content=delta or None, tool_calls=calls or None),
                                            logprobs=lp, finish_reason=finish,
-                                           stop_reason=c.stop_reason if finished else None))
+                                           stop_reason=c.stop_reason if finished else None, **extra))
             if cs:
                 yield chunk(cs)
         # usage (and the spec-decode summary) goes in a chunk of its own, only when asked for (OpenAI, vLLM)
         if body.include_usage and final is not None:
             yield chunk([], usage=usage_of([final]), spec_decode=spec_of([final]))
+
+
+def origin_pieces(c: CompletionOutput, start: int, end: int) -> list[dict[str, str]]:
+    """``c.text[start:end]`` cut where its tokens' texts end, each piece with its token's origin (the
+    ``return_token_origins`` extension): [{"text": ..., "origin": ...}, ...]."""
+    ends, pieces = c.token_text_ends, []
+    i = bisect.bisect_right(ends, start)  # the first token whose text reaches past start
+    while start < end and i < len(ends):
+        stop = min(ends[i], end)
+        if stop > start:
+            pieces.append({"text": c.text[start:stop], "origin": c.token_origins[i]})
+            start = stop
+        i += 1
+    return pieces
 
 
 async def reply_deltas(stream: RequestStream, params: SamplingParams, parser: ToolParser | None
