@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from specdecode.layers import kernels
 from specdecode.layers.kernels import extension, q4, q6
 
-FMTS = ("fp32", "bf16", "int8", "w8a8", "w4a8")
+FMTS = ("fp32", "bf16", "int8", "w8a8", "w4a8", "q8_0")
 MS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17)
 SHAPES = [(n, k) for k in (64, 72, 1536) for n in (64, 257)]
 
@@ -48,8 +48,8 @@ def _x(m: int, k: int, seed: int) -> torch.Tensor:
 
 
 def _reference(x: torch.Tensor, packed, bias=None) -> torch.Tensor:
-    """What the kernel computes, in plain torch (w8a8 and w4a8 also quantize the activations)."""
-    xq = kernels.quantize_activations(x) if packed.fmt in ("w8a8", "w4a8") else x
+    """What the kernel computes, in plain torch (the integer formats also quantize the activations)."""
+    xq = kernels.quantize_activations(x) if packed.fmt in kernels.INT_ACTS else x
     return F.linear(xq, kernels.dequantize(packed), bias)
 
 
@@ -400,6 +400,17 @@ def test_w4a8_select_rows_and_layout_round_trip():
     assert torch.equal(kernels.rowinv_linear(x, sub), kernels.rowinv_linear(x, p)[:, rows])
 
 
+def q8_0_blocks(n: int, k: int, seed: int) -> torch.Tensor:
+    """Random GGUF Q8_0 rows (uint8 [n, k / 32 * 34]): random int8 values (-128 in every row) and small fp16 d of
+    both signs."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (n, k // 32, 34), dtype=torch.uint8, generator=g)
+    blocks[:, 0, 2] = 0x80
+    d = ((torch.rand(n, k // 32, generator=g) - 0.3) * 0.01).half()
+    blocks[:, :, :2] = d.view(torch.uint8).view(n, k // 32, 2)
+    return blocks.view(n, -1)
+
+
 def _q6k_blocks(n: int, k: int, seed: int) -> torch.Tensor:
     """Random GGUF Q6_K rows (uint8 [n, k / 256 * 210]): random bytes (so int8 scales of both signs, -128
     included somewhere) but d, a small fp16 value (negative in one super-block of each row)."""
@@ -541,6 +552,9 @@ def test_integer_instruction_sets_agree_bitwise(tmp_path, tiny_models):
         if k % 256 == 0:  # stored Q4_K and Q6_K blocks: 6-bit codes, negative units, a scale of -128
             cases.append((kernels.pack_q4k(_q4k_blocks(n, k, 80 + i), k), _x(7, k, 70 + i) * 4, torch.randn(n)))
             cases.append((kernels.pack_q6k(_q6k_blocks(n, k, 90 + i), k), _x(7, k, 70 + i) * 4, torch.randn(n)))
+        if k % 32 == 0:  # stored Q8_0 blocks: any int8 value, -128 included
+            cases.append((kernels.pack_q8_0(q8_0_blocks(n, k, 95 + i), k), _x(7, k, 70 + i) * 4, torch.randn(n)))
+        cases.append((kernels.pack_linear(w, "q8_0"), _x(7, k, 70 + i) * 4, torch.randn(n)))
     # 7 rows take the tiles of 4 and 3 rows; 1 and 2 rows (decode, short verification) take the paths that run
     # the offsets' chains inside the block loop.
     cases += [(p, x[:n], b) for p, x, b in list(cases) for n in (1, 2)]
@@ -571,7 +585,7 @@ def _cpu_has_amx() -> bool:
     return "amx_int8" in flags and "amx_tile" in flags
 
 
-@pytest.mark.parametrize("fmt", ["w8a8", "w4a8"])
+@pytest.mark.parametrize("fmt", ["w8a8", "w4a8", "q8_0"])
 def test_amx_tiles_agree_bitwise_with_vnni(fmt):
     """Where the CPU has AMX, multi-row integer calls run on tiles; their sums and epilogue are those of the
     VNNI path, so every row (any count, any tile width, ragged N and K) is bitwise the same either way."""

@@ -56,7 +56,7 @@ def pack_row_slices(rows_of: Callable[[int, int], torch.Tensor], N: int, K: int,
         raise ValueError(f"pack_row_slices: rows must be a multiple of {kernels.W8A8_GROUP}")
     grouped = fmt in kernels.INT_ACTS  # leading dim counts 16-channel groups, not channels
     unit = kernels.W8A8_GROUP if grouped else 1
-    s_unit = unit if fmt in ("w4a8", "w6a8") else 1  # their codes and units are per group too; other scales per channel
+    s_unit = unit if fmt in kernels.GROUPED_SCALES else 1  # their codes and units are per group too; other scales per channel
     weight_out = scale_out = None
     for n0 in range(0, N, rows):
         part = kernels.pack_linear(rows_of(n0, min(N, n0 + rows)), fmt)

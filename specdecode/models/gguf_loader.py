@@ -2,7 +2,9 @@
 
 The header is parsed here rather than with ``gguf.GGUFReader``: that reader builds a numpy view per string and
 takes ~20 s on a 150k-token vocabulary, while this parser takes well under a second. Dequantization uses
-``gguf.quants.dequantize``. The tokenizer in the file's metadata is built by ``gguf_tokenizer``.
+``gguf.quants.dequantize`` for every block type it decodes; the plain value types (I8 ... I64, F64) are cast here.
+A file with a tensor of any other type is refused when it is opened, in one line naming the tensor and the type.
+The tokenizer in the file's metadata is built by ``gguf_tokenizer``.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import os
 import re
 import struct
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,6 +45,10 @@ _END_OF_GENERATION_TEXTS = {"<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_
 
 
 class _Corrupt(Exception):
+    pass
+
+
+class _Unsupported(Exception):
     pass
 
 
@@ -84,14 +91,7 @@ class GGUFModel:
         if self._mm is None:
             raise ValueError(f"{self.path} has been closed; call read_gguf() again.")
         raw = np.frombuffer(self._mm, dtype=np.uint8, count=ref.nbytes, offset=ref.offset)
-        try:
-            flat = dequantize(raw, ref.qtype, ref.dims[0])
-        except NotImplementedError:
-            from gguf import GGMLQuantizationType
-
-            raise ValueError(f"Tensor {ref.gguf_name} in {self.path} uses {GGMLQuantizationType(ref.qtype).name}, "
-                             "which the installed gguf package cannot dequantize; upgrade gguf or re-quantize the "
-                             "model to a common type (Q4_K_M, Q8_0, F16).") from None
+        flat = dequantize(raw, ref.qtype, ref.dims[0])
         t = flat.reshape(tuple(reversed(ref.dims)))
         t = t if ref.transform is None else ref.transform(t).contiguous()
         self._release(ref)
@@ -146,12 +146,36 @@ class GGUFModel:
             raise KeyError(f"{self.path} has no tensor {hf_name!r}") from None
 
 
+# Types that hold plain numbers, one per element: their values, as float32.
+_VALUE_TYPES = {"I8": "<i1", "I16": "<i2", "I32": "<i4", "I64": "<i8", "F64": "<f8"}
+
+
+@lru_cache(maxsize=None)
+def decodable(qtype: int) -> bool:
+    """Whether ``dequantize`` decodes GGML type ``qtype``: a value type, or a block type the installed gguf
+    package dequantizes (tried on one block of zeros)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    qt = GGMLQuantizationType(qtype)
+    if qt.name in _VALUE_TYPES:
+        return True
+    block, type_size = GGML_QUANT_SIZES[qt]
+    try:
+        gguf_dequantize(np.zeros((1, type_size), dtype=np.uint8), qt)
+    except NotImplementedError:
+        return False
+    return True
+
+
 def dequantize(raw: np.ndarray, qtype: int, row_len: int) -> torch.Tensor:
     """Flat float32 values of a tensor stored as GGML type ``qtype`` in ``raw``, rows of ``row_len`` values."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
 
     qt = GGMLQuantizationType(qtype)
+    if qt.name in _VALUE_TYPES:
+        return torch.from_numpy(raw.view(_VALUE_TYPES[qt.name]).astype(np.float32)).reshape(-1)
     block, type_size = GGML_QUANT_SIZES[qt]
     arr = gguf_dequantize(raw.reshape(-1, row_len // block * type_size), qt)
     if not arr.flags.writeable or not arr.flags.owndata:
@@ -264,6 +288,9 @@ def _tensor_refs(infos, data_start: int, size: int) -> dict[str, _TensorRef]:
                            f"has {size}); the file is truncated")
         if name in refs:
             raise _Corrupt(f"tensor {name} appears twice")
+        if not decodable(qtype):
+            raise _Unsupported(f"tensor {name} is stored as GGML type {qtype.name}, which the installed gguf package "
+                               "cannot dequantize; re-quantize the model to a common type (Q4_K_M, Q8_0, F16).")
         refs[name] = _TensorRef(name, int(qtype), dims, offset, nbytes)
     return refs
 
@@ -285,6 +312,9 @@ def open_gguf(path: str | os.PathLike) -> tuple[Path, mmap.mmap, dict, dict[str,
     try:
         meta, infos, data_start = _parse(mm, size)
         refs = _tensor_refs(infos, data_start, size)
+    except _Unsupported as e:
+        mm.close()
+        raise ValueError(f"Cannot load {p}: {e}") from None
     except (_Corrupt, struct.error, ValueError, OverflowError, MemoryError) as e:
         mm.close()
         raise ValueError(f"{p} is not a valid GGUF file: {e}. Re-download the file (or re-export it with "

@@ -480,8 +480,9 @@ def _pack_head(model: CausalLM, weight: torch.Tensor, fmt: str | None) -> None:
 
 
 # GGUF storage types of 4 bits or fewer per weight: under quantization="mixed" their linears become w4a8, whose
-# affine blocks hold a Q4_K block as stored; Q6_K ones become w6a8, which holds a Q6_K block as stored; other
-# types (Q5_K, Q8_0, F16, ...) and linears that fuse tensors of different types become w8a8.
+# affine blocks hold a Q4_K block as stored; Q6_K ones become w6a8, which holds a Q6_K block as stored; Q8_0 ones
+# q8_0, its blocks as stored; other types (Q5_K, F16, ...) and linears that fuse tensors of different types become
+# w8a8.
 FOUR_BIT_GGUF = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS",
                            "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M"})
 MIXED = "mixed"
@@ -498,18 +499,20 @@ def _format_of(module: str, quantization: str | None, storage: dict[str, str], s
                ) -> str | None:
     """The weight format of linear ``module`` (our name; a fused one stands for its parts): ``quantization``, or
     under "mixed" the one its parts' GGUF storage types (``storage``; ``source``, else the module's weights) call
-    for: w4a8 where all are 4-bit, w6a8 where all are Q6_K, else w8a8."""
+    for: w4a8 where all are 4-bit, w6a8 where all are Q6_K, q8_0 where all are Q8_0, else w8a8."""
     if quantization != MIXED:
         return quantization
     kinds = {storage.get(p) for p in ([source] if source else _parts(module))}
     if kinds <= FOUR_BIT_GGUF:
         return "w4a8"
-    return "w6a8" if kinds == {"Q6_K"} else "w8a8"
+    return {frozenset({"Q6_K"}): "w6a8", frozenset({"Q8_0"}): "q8_0"}.get(frozenset(kinds), "w8a8")
 
 
 # The GGUF types a format holds exactly as stored: blocks -> fields, fields -> float weights.
-_STORED = {"Q4_K": (kernels.q4k_fields, kernels.w4_weights), "Q6_K": (kernels.q6k_fields, kernels.w6_weights)}
-_PACK = {kernels.W4Fields: ("w4a8", kernels.pack_w4), kernels.W6Fields: ("w6a8", kernels.pack_w6)}
+_STORED = {"Q4_K": (kernels.q4k_fields, kernels.w4_weights), "Q6_K": (kernels.q6k_fields, kernels.w6_weights),
+           "Q8_0": (kernels.q8_0_fields, kernels.q8_weights)}
+_PACK = {kernels.W4Fields: ("w4a8", kernels.pack_w4), kernels.W6Fields: ("w6a8", kernels.pack_w6),
+         kernels.Q8Fields: ("q8_0", kernels.pack_q8)}
 
 
 def _stored_fields(gguf, name: str, t: torch.Tensor | None) -> tuple | None:
@@ -525,7 +528,7 @@ def _stored_fields(gguf, name: str, t: torch.Tensor | None) -> tuple | None:
     except ValueError:  # not a plain 2-D table
         return None
     K = gguf.row_length(name)
-    if kind not in _STORED or K % 256 or (t is not None and (t.dim() != 2 or tuple(t.shape) != (blocks.shape[0], K))):
+    if kind not in _STORED or K % (32 if kind == "Q8_0" else 256) or (t is not None and (t.dim() != 2 or tuple(t.shape) != (blocks.shape[0], K))):
         return None
     fields_of, weights_of = _STORED[kind]
     parts = []

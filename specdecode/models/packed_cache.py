@@ -42,10 +42,10 @@ from specdecode.models import huge_pages
 
 logger = logging.getLogger("specdecode")
 
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 # The packed layouts kernels.pack_linear produces and the C++ kernels read (see the kernels package's docstring).
 KERNEL_LAYOUT = ("w8a8:g16x4+128,w4a8:g16x8n,u0-15,c8x2-32,fp16x2-256,q4k-raw,w6a8:g16x(4n+2h),u0-63,c8-16,fp16-256,"
-                 "q6k-raw,int8:row,k8/k32")
+                 "q6k-raw,q8_0:g16x4+128,fp16-32xg16,q8_0-raw,int8:row,k8/k32")
 _MAGIC = b"SDPACK01"
 _PREAMBLE = struct.Struct("<8sQ32s")  # magic, header length, sha256 of the header
 _ALIGN = 64

@@ -10,6 +10,7 @@ from specdecode.layers.kernels.q4 import (W4Fields, _quantize_w4, _w4_layout, _w
                                           _w4_unpack, q4k_fields, w4_layout, w4_weights)
 from specdecode.layers.kernels.q6 import (W6Fields, _quantize_w6, _w6_scale_bytes, _w6_unpack_rows, q6k_fields,
                                           w6_layout, w6_weights)
+from specdecode.layers.kernels.q8 import Q8Fields, _q8_rows, _quantize_q8, q8_0_fields, q8_layout, q8_weights
 
 
 class PackedLinear:
@@ -20,7 +21,8 @@ class PackedLinear:
     interleaved layout (``int8._interleave``), for w4a8 uint8 ``[ceil(N / 16), Kp * 8]`` (``q4._w4_layout``), for
     w6a8 uint8 ``[ceil(N / 16), Kp * 12]`` (``q6.w6_layout``). ``scale`` is float32 ``[N]`` for int8 and w8a8; for
     w4a8 uint8 ``[ceil(N / 16), _w4_scale_bytes(Kp)]``, each group's block codes and then its fp16 units (and for
-    w6a8 likewise, ``_w6_scale_bytes(Kp)``); else None.
+    w6a8 likewise, ``_w6_scale_bytes(Kp)``); q8_0's weight is w8a8's and its scale float16 ``[ceil(N / 16), Kp / 2]``
+    (``q8.q8_layout``); else None.
     A plain object (not an nn.Module) so that it never shows up in a model's state_dict.
     """
 
@@ -45,12 +47,15 @@ class PackedLinear:
         if self._checked and self._checked[0] == key:
             return self._checked[1]
         N, K = self.out_features, self.in_features
-        if self.fmt == "w8a8":
+        if self.fmt in ("w8a8", "q8_0"):
             Kp = w.shape[1] // W8A8_GROUP if w.ndim == 2 else 0
             if (w.dtype != torch.uint8 or w.ndim != 2 or not w.is_contiguous() or not w.is_cpu
                     or w.shape[0] != -(-N // W8A8_GROUP) or Kp < K or Kp % _K_ALIGN["w8a8"]
-                    or w.shape[1] != Kp * W8A8_GROUP):
-                raise ValueError(f"w8a8_linear: malformed interleaved weight {tuple(w.shape)} {w.dtype} for {self!r}")
+                    or w.shape[1] != Kp * W8A8_GROUP or (self.fmt == "q8_0" and (
+                        scale is None or scale.dtype != torch.float16 or not scale.is_contiguous()
+                        or not scale.is_cpu or tuple(scale.shape) != (w.shape[0], Kp // ACT_BLOCK * W8A8_GROUP)))):
+                raise ValueError(f"{self.fmt}_linear: malformed interleaved weight {tuple(w.shape)} {w.dtype} for "
+                                 f"{self!r}")
             stride = Kp
         elif self.fmt == "w4a8":
             G = -(-N // W8A8_GROUP)
@@ -80,7 +85,7 @@ class PackedLinear:
                 raise ValueError("rowinv_linear: int8 weight needs a [N] scale")
             if scale.dtype != torch.float32 or not scale.is_cpu or not scale.is_contiguous():
                 scale = scale.to(device="cpu", dtype=torch.float32).contiguous()
-        elif self.fmt not in ("w4a8", "w6a8"):  # their codes and units were checked above
+        elif self.fmt not in ("w4a8", "w6a8", "q8_0"):  # their codes and units were checked above
             scale = None
         args = (w.data_ptr(), stride, _FMT_CODE[self.fmt], scale)
         self._checked = (key, args)
@@ -96,6 +101,9 @@ class PackedLinear:
             return PackedLinear("w4a8", *_w4_layout(*_w4_rows(self, rows)), self.in_features, len(rows))
         if self.fmt == "w6a8":
             return pack_w6(_w6_unpack_rows(self, rows), self.in_features)
+        if self.fmt == "q8_0":
+            f = _q8_rows(self, 0, self.out_features)
+            return pack_q8(Q8Fields(f.u[rows], f.d[rows]), self.in_features)
         scale = self.scale[rows].contiguous() if self.scale is not None else None
         if self.fmt == "w8a8":
             return PackedLinear(self.fmt, _interleave(_w8a8_rows(self, 0, self.out_features)[rows]), scale,
@@ -148,6 +156,8 @@ def pack_linear(weight: torch.Tensor, fmt: str) -> PackedLinear:
         return pack_w4(_quantize_w4(w), K)
     if fmt == "w6a8":
         return pack_w6(_quantize_w6(w), K)
+    if fmt == "q8_0":
+        return pack_q8(_quantize_q8(w), K)
 
     q, scale = quantize_int8(w, Kp)
     if fmt == "w8a8":  # unsigned storage for vpdpbusd; padding becomes 128, i.e. weight 0
@@ -177,6 +187,16 @@ def pack_q6k(blocks: torch.Tensor, K: int) -> PackedLinear:
     return pack_w6(q6k_fields(blocks, K), K)
 
 
+def pack_q8(f: Q8Fields, K: int) -> PackedLinear:
+    """Logical q8_0 fields -> a packed weight (q8.q8_layout)."""
+    return PackedLinear("q8_0", *q8_layout(f), K, f.u.shape[0])
+
+
+def pack_q8_0(blocks: torch.Tensor, K: int) -> PackedLinear:
+    """A GGUF Q8_0 tensor as stored -> q8_0 holding exactly its weights (its int8 values and fp16 scales)."""
+    return pack_q8(q8_0_fields(blocks, K), K)
+
+
 def dequantize(packed: PackedLinear) -> torch.Tensor:
     """float32 ``[N, K]`` weight equal to what the kernel multiplies with (int8: ``q * scale``)."""
     return _dequantize_rows(packed, 0, packed.out_features).contiguous()
@@ -189,6 +209,8 @@ def _dequantize_rows(packed: PackedLinear, n0: int, n1: int) -> torch.Tensor:
     if packed.fmt == "w6a8":
         rows = torch.arange(n0, min(n1, packed.out_features))
         return w6_weights(_w6_unpack_rows(packed, rows), packed.in_features)
+    if packed.fmt == "q8_0":
+        return q8_weights(_q8_rows(packed, n0, n1), packed.in_features)
     if packed.fmt == "w8a8":
         n1 = min(n1, packed.out_features)
         w = _w8a8_rows(packed, n0, n1)[:, :packed.in_features].to(torch.int16) - 128

@@ -59,7 +59,7 @@
 
 namespace specdecode {
 
-enum Fmt : int { kF32 = 0, kBF16 = 1, kI8 = 2, kW8A8 = 3, kW4A8 = 4, kW6A8 = 5 };
+enum Fmt : int { kF32 = 0, kBF16 = 1, kI8 = 2, kW8A8 = 3, kW4A8 = 4, kW6A8 = 5, kQ8_0 = 6 };
 
 constexpr int64_t kUnit = 24;       // channels per parallel work unit (lcm of tile widths 8, 6, 3, 2)
 constexpr int64_t kRowBlock = 64;   // rows processed per pass over a channel block

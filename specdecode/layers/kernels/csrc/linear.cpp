@@ -26,7 +26,7 @@ static std::atomic<bool> g_amx_on{true};
 bool amx_enabled() { return g_amx_on.load(std::memory_order_relaxed) && amx_granted(); }
 
 const char* check_lin(const Lin& l) {
-  if (l.fmt < kF32 || l.fmt > kW6A8 || l.K < 0 || l.N < 0 || (l.N > 0 && l.w == nullptr)) return "bad weight";
+  if (l.fmt < kF32 || l.fmt > kQ8_0 || l.K < 0 || l.N < 0 || (l.N > 0 && l.w == nullptr)) return "bad weight";
   if (l.fmt <= kI8 ? l.ldw < ((l.K + 7) / 8) * 8 : (l.ldw % kQBlock != 0 || l.ldw < l.K)) return "bad weight stride";
   if (l.fmt >= kI8 && l.scale == nullptr) return "missing scale";
   return nullptr;
@@ -38,6 +38,7 @@ void linear(const Lin& l, const float* x, int64_t ldx, int64_t M, float* y, int6
   if (l.fmt == kW8A8) w8a8_linear(l, x, ldx, M, y, ldy);
   else if (l.fmt == kW4A8) w4a8_linear(l, x, ldx, M, y, ldy);
   else if (l.fmt == kW6A8) w6a8_linear(l, x, ldx, M, y, ldy);
+  else if (l.fmt == kQ8_0) q8_0_linear(l, x, ldx, M, y, ldy);
   else float_linear(l, x, ldx, M, y, ldy);
 }
 
