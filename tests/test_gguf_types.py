@@ -217,3 +217,26 @@ def test_q8_0_file_runs_the_same_with_and_without_speculation(hf_dir, tmp_path):
     path = tmp_path / "q8.gguf"
     write_typed_gguf(hf_dir, path, T.Q8_0)
     assert _spec_check(path) > 0
+
+
+def test_the_q8_0_converter_requantizes_matrices_and_keeps_the_rest(hf_dir, tmp_path):
+    """specdecode.bench.gguf_q8_0: every matrix becomes gguf's Q8_0 quantization of gguf's decoding of it; vectors
+    and metadata stay as they were, but for general.file_type, which says Q8_0."""
+    from specdecode.bench.gguf_q8_0 import convert
+
+    src, dst = tmp_path / "src.gguf", tmp_path / "q8.gguf"
+    write_typed_gguf(hf_dir, src, [T.Q4_0, T.Q6_K, T.F16, T.Q8_0])
+    assert convert(src, dst)["requantized"] > 0
+    a, b = read_gguf(src), read_gguf(dst)
+    assert b.metadata["general.file_type"] == int(gguf.LlamaFileType.MOSTLY_Q8_0)
+    assert {k: v for k, v in a.metadata.items() if k != "general.file_type"} == \
+        {k: v for k, v in b.metadata.items() if k != "general.file_type"}
+    assert a.tensor_names() == b.tensor_names()
+    for name in a.tensor_names():
+        t = a.load_tensor(name)
+        if t.dim() == 2:
+            assert b.tensor_type(name) == "Q8_0", name
+            want = gguf.quants.dequantize(gguf.quants.quantize(t.numpy(), T.Q8_0), T.Q8_0)
+            assert torch.equal(b.load_tensor(name), torch.from_numpy(want)), name
+        else:
+            assert b.tensor_type(name) == a.tensor_type(name) and torch.equal(b.load_tensor(name), t), name
