@@ -260,6 +260,19 @@ OPTIONS: tuple[Option, ...] = (
            choices=tool_parser_names(), default="auto", flags=("--tool-call-parser",), group="server"),
     Option("webui", "serve: the web chat page at / (--no-webui: the API only)", scope="server", default="on",
            flags=("--webui",), boolean=True, group="server"),
+    Option("request_head_timeout", "serve: seconds a connection has to send a whole request line and headers "
+           "(from connecting, or from its last response); then it is closed, with HTTP 408 if part of a head came",
+           scope="server", parse=float_in(0.0, lo_open=True), default="10", flags=("--request-head-timeout",),
+           metavar="SECONDS", group="server"),
+    Option("timeout_keep_alive", "serve: seconds an idle keep-alive connection stays open between requests "
+           "(uvicorn's setting)", scope="server", parse=float_in(0.0, lo_open=True), default="5",
+           flags=("--timeout-keep-alive",), metavar="SECONDS", group="server"),
+    Option("max_connections", "serve: open connections; beyond it the one idle the longest is closed, and a new "
+           "one gets HTTP 503 with Retry-After only when every connection has a request in progress", scope="server",
+           parse=int_at_least(1), default="1024", flags=("--max-connections",), metavar="N", group="server"),
+    Option("max_request_head_bytes", "serve: size of a request line and headers; larger gets HTTP 431",
+           scope="server", parse=int_at_least(1024), default="32768", flags=("--max-request-head-bytes",),
+           metavar="BYTES", group="server"),
 )
 
 # vLLM options that do not apply to this engine: accepted with a warning so that vLLM code runs unchanged.

@@ -445,3 +445,56 @@ def test_deeply_nested_json_is_a_400_on_every_route(url, path):
     r = httpx.post(f"{url}{path}", content=body, headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["code"] == "invalid_json"
+
+
+# ---------------------------------------------------------------- strict types and honest limits
+WRONG_TYPES = [(path, {field: value}, field) for path in (C, CH) for field, value in (
+    ("temperature", True), ("temperature", "0.5"), ("max_tokens", True), ("stream", "yes"), ("stream", 1),
+    ("n", "1"))] + [
+    (C, {"logprobs": True}, "logprobs"), (CH, {"logprobs": 1}, "logprobs"),
+    ("/detokenize", {"tokens": ["12"]}, "tokens.0"), ("/detokenize", {"tokens": [True]}, "tokens.0")]
+
+
+@pytest.mark.parametrize("path,fields,param", WRONG_TYPES, ids=[f"{p.rsplit('/', 1)[-1]}-{f}" for p, f, _ in
+                                                                 [(p, next(iter(b)), q) for p, b, q in WRONG_TYPES]])
+def test_wrong_json_types_are_refused_by_name(url, path, fields, param):
+    base = {"/detokenize": {}, C: {"prompt": "x"}, CH: {"messages": MSG}}[path]
+    err = _err(httpx.post(f"{url}{path}", json={"model": MODEL, **base, **fields}, timeout=30), 400)
+    assert err["param"] == param, err
+
+
+def test_ints_are_still_floats_and_whole_floats_are_ints(url):
+    r = httpx.post(f"{url}/v1/completions", json={**REFERENCE, "temperature": 0, "top_p": 1}, timeout=60)
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{url}/v1/completions", json={**REFERENCE, "max_tokens": 8.0, "n": 1e0}, timeout=60)
+    assert r.status_code == 200, r.text
+    err = _err(httpx.post(f"{url}/v1/completions", json={**REFERENCE, "max_tokens": 8.5}, timeout=60), 400)
+    assert err["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize("path,fields,param", [
+    (C, {"max_tokens": 10 ** 12}, "max_tokens"), (C, {"max_tokens": 2 ** 64 + 1}, "max_tokens"),
+    (C, {"max_tokens": 1e12}, "max_tokens"), (C, {"max_tokens": MAX_LEN - 2}, "max_tokens"),
+    (CH, {"max_tokens": 10 ** 12}, "max_tokens"), (CH, {"max_completion_tokens": MAX_LEN - 2}, "max_completion_tokens"),
+    ("/v1/responses", {"max_output_tokens": 10 ** 12}, "max_output_tokens")])
+def test_max_tokens_beyond_the_context_is_a_400(url, path, fields, param):
+    base = {C: {"prompt": "Once upon a time"}, CH: {"messages": MSG}, "/v1/responses": {"input": "hi"}}[path]
+    err = _err(httpx.post(f"{url}{path}", json={"model": MODEL, **base, **fields}, timeout=30), 400)
+    assert err["param"] == param and "too large" in err["message"], err  # 1e12 is a whole number: an integer
+
+
+def test_max_tokens_is_clamped_only_when_not_given(url):
+    prompt = [5] * (MAX_LEN - 4)  # leaves 4 positions, fewer than the default 16
+    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": prompt, "ignore_eos": True}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4,
+                                                  "ignore_eos": True}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+
+
+@pytest.mark.parametrize("choice", ["auto", "none", "required", None])
+def test_a_nonsense_tool_schema_is_refused_whatever_tool_choice_is(url, choice):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]
+    body = {"model": MODEL, "messages": MSG, "tools": tools, **({"tool_choice": choice} if choice else {})}
+    err = _err(httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30), 400)
+    assert err["param"] == "tools.0.function.parameters" and "nonsense" in err["message"], err

@@ -91,7 +91,7 @@ class AnthropicServingMessages(OpenAIServingChat):
     async def create_message(self, body: MessagesRequest, request: Request) -> Response:
         chat = self._chat(body)
         rid = f"msg_{uuid.uuid4().hex[:24]}"
-        model, params, streams = await self.begin(chat, rid)
+        model, params, streams = await self.begin(chat, rid, max_tokens_param=None)
         return await self.respond(request, streams, body.stream,
                                   lambda: self._events(rid, model, chat, params, streams[0]),
                                   lambda outs: self._message(rid, model, chat, outs[0]),

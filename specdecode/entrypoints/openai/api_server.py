@@ -45,10 +45,14 @@ from specdecode.entrypoints.openai import (serving_chat, serving_completion, ser
 from specdecode.entrypoints.openai.cli_args import (DEFAULT_BODY_TIMEOUT, DEFAULT_LIMIT_CONCURRENCY,
                                                     DEFAULT_MAX_BODY_BYTES, add_server_args, engine_kwargs_from_args,
                                                     is_out_of_memory, out_of_memory_message)
+from specdecode.entrypoints.openai.connections import (DEFAULT_HEAD_TIMEOUT, DEFAULT_KEEP_ALIVE,
+                                                       DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HEAD_BYTES,
+                                                       ConnectionLimits, guarded_protocol, raise_open_files_limit)
 from specdecode.entrypoints.openai.errors import APIError, error_body, from_exception, validation_error
+from specdecode.entrypoints.openai.json_body import JsonRoute
 from specdecode.entrypoints.openai.metrics import ServerMetrics
 from specdecode.entrypoints.openai.middleware import Gate
-from specdecode.entrypoints.openai.response_models import ErrorResponse
+from specdecode.entrypoints.openai.openapi import build_openapi, facts_of
 from specdecode.entrypoints.openai.serving_engine import OpenAIServing
 from specdecode.structured.tools import resolve_tool_parser
 
@@ -61,28 +65,6 @@ ROUTES: tuple[Callable[..., None], ...] = (serving_models.register, serving_toke
 
 
 # ====================================================================== app
-def _openapi(app: FastAPI) -> dict:
-    """FastAPI's schema, with the error responses this server really sends: 400 in OpenAI's error shape for
-    an invalid body (FastAPI would document its own 422)."""
-    if app.openapi_schema is None:
-        from fastapi.openapi.utils import get_openapi
-        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        schemas = schema.setdefault("components", {}).setdefault("schemas", {})
-        schemas["ErrorResponse"] = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
-        for defs_name, defs in schemas["ErrorResponse"].pop("$defs", {}).items():
-            schemas.setdefault(defs_name, defs)
-        for schemas_name in ("HTTPValidationError", "ValidationError"):
-            schemas.pop(schemas_name, None)
-        error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
-        for item in schema.get("paths", {}).values():
-            for op in item.values():
-                responses = op.get("responses", {})
-                if responses.pop("422", None) is not None:
-                    responses["400"] = dict(error, description="Invalid request")
-        app.openapi_schema = schema
-    return app.openapi_schema
-
-
 def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> Callable[[APIError], JSONResponse]:
     """Every error in OpenAI's shape, counted in the metrics; returns the function that makes such a response."""
     def error_response(err: APIError, path: str = "") -> JSONResponse:
@@ -115,12 +97,13 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> Callable[[APIEr
 def build_app(engine_kwargs: dict | None = None, served_model_name: str | list[str] | None = None,
               api_key: str | None = None, *, engine: AsyncLLMEngine | LLMEngine | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout: float = DEFAULT_BODY_TIMEOUT,
-              metrics_require_key: bool = False, tool_call_parser: str = "auto", webui: bool = True) -> FastAPI:
+              metrics_require_key: bool = False, tool_call_parser: str = "auto", webui: bool = True,
+              max_requests: int | None = DEFAULT_LIMIT_CONCURRENCY) -> FastAPI:
     """The FastAPI app. Loads the engine now (ValueError for bad settings) unless one is passed in.
     ``webui``: serve the chat page at ``/`` (specdecode/entrypoints/webui).
 
     ``metrics_require_key``: /metrics is open by default, as in vLLM (scrapers rarely send keys); set it to
-    put /metrics behind the API key too."""
+    put /metrics behind the API key too. ``max_requests``: requests in progress beyond it get a 503."""
     resolve_tool_parser(tool_call_parser)  # an unknown name fails before the models load
     if engine is None:
         engine = AsyncLLMEngine.from_kwargs(**(engine_kwargs or {}))
@@ -147,12 +130,13 @@ def build_app(engine_kwargs: dict | None = None, served_model_name: str | list[s
         engine.shutdown()
 
     app = FastAPI(title="specdecode OpenAI-compatible server", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.router.route_class = JsonRoute  # every route's body through the one JSON reader
     app.state.server = OpenAIServing(**serving_args)
     app.state.engine = engine
     app.state.webui = webui
     app.add_middleware(Gate, api_key=api_key, on_reject=metrics.on_http_error, max_body_bytes=max_body_bytes,
-                       body_timeout=body_timeout, metrics_require_key=metrics_require_key)
-    app.openapi = functools.partial(_openapi, app)
+                       body_timeout=body_timeout, metrics_require_key=metrics_require_key, max_requests=max_requests)
+    app.openapi = functools.partial(build_openapi, app, facts_of(engine))
     error_response = _add_error_handlers(app, metrics)
 
     @app.get("/health")
@@ -214,6 +198,26 @@ class _Server(uvicorn.Server):
             last_word.cancel()
 
 
+def uvicorn_config(app: FastAPI, args: argparse.Namespace, grace: float) -> uvicorn.Config:
+    """uvicorn's settings for the server, with the connection limits of connections.py."""
+    def flag(name: str, default: Any) -> Any:
+        value = getattr(args, f"server.{name}", None)
+        return default if value is None else value
+
+    limits = ConnectionLimits(head_timeout=flag("request_head_timeout", DEFAULT_HEAD_TIMEOUT),
+                              max_connections=flag("max_connections", DEFAULT_MAX_CONNECTIONS),
+                              max_head_bytes=flag("max_request_head_bytes", DEFAULT_MAX_HEAD_BYTES))
+    raise_open_files_limit(limits.max_connections + 256)  # and some for the model files, logs, the engine
+    # asyncio's own event loop and no WebSocket protocol: uvloop and the websockets package would be imported
+    # at every start, after the engine is ready, for streams whose pace the engine sets, not the loop. h11
+    # parses heads, with room beyond our own limit so that ours (a 431) is the one that answers.
+    return uvicorn.Config(app, log_level=getattr(args, "uvicorn_log_level", None) or "warning",
+                          loop="asyncio", ws="none", http=guarded_protocol(limits),
+                          h11_max_incomplete_event_size=2 * limits.max_head_bytes + 64 * 1024,
+                          timeout_graceful_shutdown=grace, lifespan="on",
+                          timeout_keep_alive=flag("timeout_keep_alive", DEFAULT_KEEP_ALIVE))
+
+
 def run_server(args: argparse.Namespace, model: str | None, engine: AsyncLLMEngine | None = None) -> None:
     """Loads the engine (or waits for ``engine``, started from the same arguments), then serves until
     SIGINT/SIGTERM. Bad settings: one line on stderr, exit code 2."""
@@ -232,7 +236,8 @@ def run_server(args: argparse.Namespace, model: str | None, engine: AsyncLLMEngi
                         body_timeout=getattr(args, "request_body_timeout", None) or DEFAULT_BODY_TIMEOUT,
                         metrics_require_key=bool(getattr(args, "metrics_require_key", False)),
                         tool_call_parser=getattr(args, "server.tool_call_parser", None) or "auto",
-                        webui=getattr(args, "server.webui", None) is not False)
+                        webui=getattr(args, "server.webui", None) is not False,
+                        max_requests=getattr(args, "limit_concurrency", None) or DEFAULT_LIMIT_CONCURRENCY)
     except (ValueError, OSError, RuntimeError) as e:
         if is_out_of_memory(e):  # the KV cache, allocated at load, sized by the flags
             _fail(out_of_memory_message(kw))
@@ -244,12 +249,7 @@ def run_server(args: argparse.Namespace, model: str | None, engine: AsyncLLMEngi
     sock = _bind(host, port)
     grace = getattr(args, "timeout_graceful_shutdown", None)
     grace = 30.0 if grace is None else grace
-    # asyncio's own event loop and no WebSocket protocol: uvloop and the websockets package would be imported
-    # at every start, after the engine is ready, for streams whose pace the engine sets, not the loop.
-    config = uvicorn.Config(app, log_level=getattr(args, "uvicorn_log_level", None) or "warning",
-                            loop="asyncio", ws="none",
-                            timeout_graceful_shutdown=grace, lifespan="on", timeout_keep_alive=5,
-                            limit_concurrency=getattr(args, "limit_concurrency", None) or DEFAULT_LIMIT_CONCURRENCY)
+    config = uvicorn_config(app, args, grace)
     server = _Server(config, app.state.engine, grace)
     host, port = sock.getsockname()[:2]
     print(f"specdecode: serving {app.state.server.names[0]} on http://{host}:{port} "

@@ -14,7 +14,7 @@ from specdecode.parsers import float_in, int_at_least
 
 DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT = 30.0
-DEFAULT_LIMIT_CONCURRENCY = 1024  # open connections and requests; beyond it uvicorn answers 503 at once
+DEFAULT_LIMIT_CONCURRENCY = 1024  # requests in progress; beyond it a 503 with Retry-After (not /health)
 
 
 # --port is checked while the flags are parsed, before the models start loading (exiting while a native loader
@@ -44,9 +44,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-request-body-bytes", type=_POSITIVE_INT, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                    help=f"Larger request bodies get HTTP 413 before they are parsed (default {DEFAULT_MAX_BODY_BYTES}).")
     g.add_argument("--request-body-timeout", type=_POSITIVE_SECONDS, default=DEFAULT_BODY_TIMEOUT, metavar="SECONDS",
-                   help="A request body that stalls this long gets HTTP 408 (default 30).")
+                   help="A request body not whole this long after its headers gets HTTP 408 (default 30).")
     g.add_argument("--limit-concurrency", type=_POSITIVE_INT, default=DEFAULT_LIMIT_CONCURRENCY, metavar="N",
-                   help=f"Open connections beyond this get HTTP 503 at once (default {DEFAULT_LIMIT_CONCURRENCY}).")
+                   help=f"Requests in progress beyond this get HTTP 503 with Retry-After; /health and /metrics are "
+                        f"always answered (default {DEFAULT_LIMIT_CONCURRENCY}).")
     g.add_argument("--metrics-require-key", action="store_true",
                    help="Put /metrics behind --api-key too (default: open, as in vLLM; /health is always open).")
     r = parser.add_argument_group("ray serve")

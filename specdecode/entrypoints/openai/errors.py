@@ -24,7 +24,7 @@ class APIError(Exception):
 
     TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
              405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
-             500: "server_error", 503: "server_error"}
+             431: "invalid_request_error", 500: "server_error", 503: "server_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  type_: str | None = None, headers: dict[str, str] | None = None):
@@ -56,6 +56,7 @@ def error_body(err: APIError, path: str) -> dict:
 # Seconds a client is told to wait after a 503: a full queue drains within a few engine steps; a server that
 # is shutting down needs a restart (or another replica).
 RETRY_AFTER_QUEUE_FULL = "1"
+RETRY_AFTER_BUSY = "1"  # all the server's connections or request slots are taken: as short-lived as a full queue
 RETRY_AFTER_DEAD = "10"
 
 

@@ -1,4 +1,4 @@
-"""The ASGI gate in front of every route: API key, body size and timeout, content type."""
+"""The ASGI gate in front of every route: API key, concurrent requests, body size and deadline, content type."""
 from __future__ import annotations
 
 import asyncio
@@ -7,11 +7,12 @@ from typing import Callable
 
 from fastapi.responses import JSONResponse
 
-from specdecode.entrypoints.openai.errors import APIError, error_body
+from specdecode.entrypoints.openai.errors import RETRY_AFTER_BUSY, APIError, error_body
 
 _DRAIN_FACTOR, _DRAIN_BYTES = 4, 64 * 1024 * 1024  # how much of an oversized body is read only to be dropped
 _JSON_LIKE = (b"", b"application/x-www-form-urlencoded", b"text/plain")
 API_PATHS = ("/v1", "/tokenize", "/detokenize")  # JSON bodies, behind the API key
+_UNCOUNTED = ("/health", "/metrics")  # probes: answered whatever the load
 
 
 class Gate:
@@ -22,12 +23,17 @@ class Gate:
       stays open for load balancers.
     - Body size: over ``max_body_bytes`` is a 413, decided from Content-Length or while reading, so a huge
       body is never held or parsed.
-    - Slow clients: a body that stalls for ``body_timeout`` seconds is a 408, not a connection held forever.
+    - Slow clients: a body that has not arrived whole ``body_timeout`` seconds after the head is a 408 (a
+      deadline for the whole body, not for each read: a client trickling a byte at a time is cut off too).
+    - Concurrent requests: beyond ``max_requests`` in progress, a 503 in OpenAI's shape with Retry-After;
+      /health and /metrics are not counted and never refused, so a probe sees the server is up, only busy.
     - A POST without a JSON content type (curl -d sends form encoding) is read as JSON, as vLLM does."""
 
     def __init__(self, app, api_key: str | None, on_reject: Callable[[int], None], max_body_bytes: int,
-                 body_timeout: float, metrics_require_key: bool):
+                 body_timeout: float, metrics_require_key: bool, max_requests: int | None = None):
         self.app = app
+        self.max_requests = max_requests
+        self.in_flight = 0
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.key = api_key.encode() if api_key else None
         self.on_reject = on_reject
@@ -37,14 +43,28 @@ class Gate:
 
     async def _reject(self, send, err: APIError, path: str) -> None:
         self.on_reject(err.status)
-        resp = JSONResponse(error_body(err, path), status_code=err.status, headers={"Connection": "close"})
+        resp = JSONResponse(error_body(err, path), status_code=err.status,
+                            headers={"Connection": "close", **(err.headers or {})})
         await resp({"type": "http"}, None, send)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
         path = scope.get("path", "")
+        if path in _UNCOUNTED:
+            return await self._gate(scope, receive, send, path)
+        if self.max_requests is not None and self.in_flight >= self.max_requests:
+            return await self._reject(send, APIError(
+                503, f"The server has {self.max_requests} requests in progress, its limit; retry shortly.",
+                code="server_busy", headers={"Retry-After": RETRY_AFTER_BUSY}), path)
+        self.in_flight += 1
+        try:
+            return await self._gate(scope, receive, send, path)
+        finally:
+            self.in_flight -= 1
+
+    async def _gate(self, scope, receive, send, path: str):
+        headers = dict(scope.get("headers") or [])
         if self.expected is not None and path.startswith(self.protected) and scope.get("method") != "OPTIONS":
             bearer = hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
             if not (bearer | hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)):
@@ -62,13 +82,15 @@ class Gate:
         if declared > self.max_body and headers.get(b"expect", b"").lower() == b"100-continue":
             return await self._reject(send, too_big, path)  # the client waits for our word before sending the body
         chunks, size = [], 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_timeout
         while True:
             try:
-                message = await asyncio.wait_for(receive(), self.body_timeout)
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
                 return await self._reject(send, APIError(
-                    408, f"The request body did not arrive within {self.body_timeout:g} s.", code="request_timeout"),
-                    path)
+                    408, f"The request body did not arrive whole within {self.body_timeout:g} s.",
+                    code="request_timeout"), path)
             if message["type"] == "http.disconnect":
                 return
             chunk = message.get("body", b"")

@@ -3,7 +3,8 @@
 Requests accept the OpenAI fields plus vLLM's sampling extensions (top_k, min_p, repetition_penalty,
 stop_token_ids, ignore_eos, ...). A field this server does not implement is rejected with a 400 that names
 it, never silently ignored: a client relying on it would otherwise get a quiet, wrong answer. Numbers must be
-finite (no NaN or Infinity) and text must be valid Unicode (no lone surrogates).
+finite (no NaN or Infinity) and text must be valid Unicode (no lone surrogates). Types are strict: a value of the
+wrong JSON type is a 400 naming its field, never converted.
 """
 from __future__ import annotations
 
@@ -48,7 +49,9 @@ class ParamError(ValueError):
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # strict: JSON types as OpenAI reads them. No number from a string or a bool ("0.5", true), no bool from a
+    # number or a word (1, "yes"), no int from a float (1e12); an int is still a float.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -280,6 +283,17 @@ class FunctionDefinition(_Request):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _a_schema(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        # whatever tool_choice is: "auto" calls are checked against it too (specdecode.structured.json_calls)
+        from specdecode.structured.json_calls import schema_problem
+
+        problem = None if schema is None else schema_problem(schema)
+        if problem is not None:
+            raise ValueError(f"the parameters schema {problem}")
+        return schema
 
 
 class ChatTool(_Request):

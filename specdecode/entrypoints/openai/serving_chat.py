@@ -21,6 +21,7 @@ from specdecode.entrypoints.openai.serving_engine import (OpenAIServing, Streame
                                                           stop_hold, usage_of)
 from specdecode.outputs import CompletionOutput, RequestOutput
 from specdecode.sampling_params import SamplingParams
+from specdecode.structured.json_calls import JsonCallParser
 from specdecode.structured.tools import ToolParser, get_tool_parser
 
 
@@ -31,17 +32,29 @@ class OpenAIServingChat(OpenAIServing):
         # tool_choice required / named constrains the output to the server's tool-call format
         return body.to_sampling_params(self.tool_call_parser)
 
-    async def begin(self, body: ChatCompletionRequest, rid: str) -> tuple[str, SamplingParams, list[RequestStream]]:
+    async def begin(self, body: ChatCompletionRequest, rid: str, max_tokens_param: str | None = "max_tokens"
+                    ) -> tuple[str, SamplingParams, list[RequestStream]]:
         """A chat request checked, rendered and admitted as engine request ``rid``: the model name it answers as,
         its sampling parameters and its stream. The other chat-shaped APIs (Responses, Anthropic's Messages)
-        translate their bodies to a ChatCompletionRequest and start here too."""
+        translate their bodies to a ChatCompletionRequest and start here too.
+
+        ``max_tokens_param``: the field a max_tokens beyond what the context leaves is a 400 about, as the
+        client's API calls it (max_completion_tokens when the chat request used that); None clamps it instead
+        (Anthropic's required max_tokens: clients send large values routinely)."""
         model, params = await self.prepare(body)
         prompt = await run_in_threadpool(self.chat_prompt, body)  # templating is CPU work: off the event loop
-        return model, params, await self.start(rid, [(prompt, None)], params, "messages")
+        if max_tokens_param == "max_tokens" and body.max_completion_tokens is not None:
+            max_tokens_param = "max_completion_tokens"
+        return model, params, await self.start(rid, [(prompt, None)], params, "messages",
+                                               max_tokens_param=max_tokens_param)
 
     def tool_parser(self, body: ChatCompletionRequest) -> ToolParser | None:
-        """A fresh parser for one reply's tool calls (None when the request has no tools in play)."""
-        return None if body.tool_mode == "none" else get_tool_parser(self.tool_call_parser, body.max_tool_calls)
+        """A fresh parser for one reply's tool calls (None when the request has no tools in play). Under "auto"
+        a reply that is one bare JSON call to a tool counts too: small models answer so (json_calls.py)."""
+        if body.tool_mode == "none":
+            return None
+        parser = get_tool_parser(self.tool_call_parser, body.max_tool_calls)
+        return JsonCallParser(parser, body.tool_dicts()) if body.tool_mode == "auto" else parser
 
     async def create_chat_completion(self, body: ChatCompletionRequest, request: Request) -> Response:
         rid = f"chatcmpl-{uuid.uuid4().hex}"

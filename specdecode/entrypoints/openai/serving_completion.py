@@ -54,7 +54,10 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = _normalise_prompts(body.prompt)
         rid = f"cmpl-{uuid.uuid4().hex}"
         # checks the token ids before echo decodes them
-        streams = await self.start(rid, prompts, params, "prompt", suffix=body.suffix)
+        # a max_tokens the client set must fit; the default (16) is clamped to what the prompt leaves
+        explicit = "max_tokens" in body.model_fields_set and body.max_tokens is not None and not body.echo_only
+        streams = await self.start(rid, prompts, params, "prompt", suffix=body.suffix,
+                                   max_tokens_param="max_tokens" if explicit else None)
         echoes = [text if text is not None else self.tokenizer.decode(ids) for text, ids in prompts] \
             if body.echo else [""] * len(prompts)
         return await self.respond(request, streams, body.stream,

@@ -226,10 +226,45 @@ class OpenAIServing:
         await self.compile_constraint(params, body.constraint_param())
         return model, params
 
+    async def _fit_max_tokens(self, prompts: Prompts, params: SamplingParams, suffix: str | None,
+                              param: str) -> Prompts | None:
+        """The prompts as token ids, after checking that ``params.max_tokens`` fits in the context each leaves:
+        otherwise a 400 naming ``param`` (as vLLM and OpenAI answer), instead of a silent clamp that has the
+        client wait for a reply far longer than it asked for. Tokenizing here moves that work, it does not
+        repeat it: the engine takes the ids as given. None: not tokenized (the engine will say what is wrong)."""
+        engine = getattr(self.engine, "engine", None)
+        if engine is None or params.max_tokens is None:
+            return None
+        limit = engine.max_model_len
+        if params.max_tokens >= limit:  # no prompt leaves that much room: no need to tokenize to say so
+            raise APIError(400, f"{param} is too large: {params.max_tokens}. This model's context is {limit} tokens, "
+                                "and the prompt takes at least one.", param=param, code="invalid_value")
+        if params.truncate_prompt_tokens == -1:
+            return None  # the client asked for the prompt to be cut to fit: what it leaves is the engine's to say
+        out: Prompts = []
+        for text, ids in prompts:
+            try:
+                ids = await run_in_threadpool(engine.input_processor.encode_prompt, text, ids, suffix,
+                                              params.truncate_prompt_tokens)
+            except ValueError:
+                return None  # the engine reports it, naming the prompt field
+            if len(ids) + params.max_tokens > limit:
+                raise APIError(400, f"{param} is too large: {params.max_tokens}. This model's context is {limit} "
+                                    f"tokens and the prompt takes {len(ids)} ({params.max_tokens} > {limit} - "
+                                    f"{len(ids)}).", param=param, code="invalid_value")
+            out.append((text, ids))
+        return out
+
     async def start(self, base_id: str, prompts: Prompts, params: SamplingParams, prompt_param: str,
-                    suffix: str | None = None) -> list[RequestStream]:
+                    suffix: str | None = None, max_tokens_param: str | None = None) -> list[RequestStream]:
         """Adds one engine request per prompt (ids ``base_id``, or ``base_id-i`` for several); an error about
-        a prompt names ``prompt_param``, the request field that carries it."""
+        a prompt names ``prompt_param``, the request field that carries it. ``max_tokens_param``: the field
+        the client set max_tokens with, so that a value beyond what the context leaves is a 400 naming it
+        (None: the engine clamps it to what is left, for a default or an API that sends large values)."""
+        encoded = None if max_tokens_param is None else await self._fit_max_tokens(prompts, params, suffix,
+                                                                                    max_tokens_param)
+        if encoded is not None:
+            prompts, suffix = encoded, None  # the ids are the fill-in-the-middle prompt already
         scheduler = getattr(getattr(self.engine, "engine", None), "scheduler", None)
         total = len(prompts) * params.n
         if len(prompts) > 1 and scheduler is not None and total > max(scheduler.max_waiting, 1):

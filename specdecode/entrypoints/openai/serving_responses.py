@@ -104,7 +104,7 @@ class OpenAIServingResponses(OpenAIServingChat):
         rid = f"resp_{uuid.uuid4().hex}"
         try:
             chat = body.to_chat(history)
-            model, params, streams = await self.begin(chat, rid)
+            model, params, streams = await self.begin(chat, rid, max_tokens_param="max_output_tokens")
         except ParamError as e:
             raise _renamed(APIError(400, str(e), param=e.param, code="invalid_value")) from None
         except APIError as e:

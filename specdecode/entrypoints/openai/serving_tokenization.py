@@ -19,13 +19,10 @@ from specdecode.tokenizer import encode_text
 
 async def _json_object(request: Request) -> dict:
     """A route's body read by hand: a JSON object, or the 400 FastAPI's own parsing would give."""
-    raw = await request.body()
     try:
-        data = json.loads(raw)
-    except ValueError as e:
-        raise APIError(400, f"The request body is not valid JSON ({e}).", code="invalid_json") from None
-    except RecursionError:  # the decoder recurses once per level of nesting
-        raise APIError(400, "The request body is nested too deeply to be read as JSON.", code="invalid_json") from None
+        data = await request.json()  # read_json, through the app's JsonRoute
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"The request body is not valid JSON ({e.msg}).", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, f"The request body must be a JSON object, got {type(data).__name__}.",
                        code="invalid_value")

@@ -1,0 +1,81 @@
+"""Tool calls that small models write as one bare JSON object under tool_choice "auto" (specdecode.structured.
+json_calls): the parser on its own, whole and streamed, and the default model through the official openai client."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdecode.structured.json_calls import JsonCallParser, json_call, schema_problem
+from specdecode.structured.tools import get_tool_parser
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Get the current weather in a city",
+                                           "parameters": WEATHER}}]
+SCHEMAS = {"get_weather": WEATHER}
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+
+CALLS = [CALL, f"```json\n{CALL}\n```", f"\n```\n{CALL}\n```\n", f"  {CALL}  ",
+         '{"arguments": {"city": "Paris"}, "name": "get_weather"}',
+         '{"name": "get_weather", "parameters": {"city": "Paris"}}']
+TEXTS = ['{"name": "John", "age": 30}', '```json\n{"name": "John", "age": 30}\n```',
+         f"Sure:\n```json\n{CALL}\n```", f"```json\n{CALL}\n```\nThat is how you would call it.",
+         '{"name": "get_weather", "arguments": {"town": "Paris"}}',  # does not fit the schema
+         '{"name": "get_weather", "arguments": {"city": 5}}', '{"name": "get_weather"}',
+         '{"name": "get_weather", "arguments": {"city": "Paris"}, "id": 1}', f"[{CALL}]",
+         '```python\nprint("hi")\n```', "The weather in Paris is sunny.", "", "{", f"{CALL}{CALL}"]
+
+
+@pytest.mark.parametrize("text", CALLS)
+def test_a_reply_that_is_one_call_is_a_call(text):
+    call = json_call(text, SCHEMAS)
+    assert call is not None and call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_anything_else_stays_text(text):
+    assert json_call(text, SCHEMAS) is None
+    content, calls = JsonCallParser(get_tool_parser("auto"), TOOLS).parse(text)
+    assert calls == [] and (content or "") == text
+
+
+def _streamed(text: str, step: int) -> tuple[str, list[dict], int | None]:
+    """(content, calls, index of the first delta that carried content)."""
+    parser = JsonCallParser(get_tool_parser("auto"), TOOLS)
+    outs = [parser.stream(text[i:i + step], False) for i in range(0, len(text), step)] + [parser.stream("", True)]
+    first = next((i for i, (t, _) in enumerate(outs) if t), None)
+    return "".join(t for t, _ in outs), [c for _, cs in outs for c in cs], first
+
+
+@pytest.mark.parametrize("step", [1, 3, 50])
+@pytest.mark.parametrize("text", CALLS + TEXTS)
+def test_streaming_decides_as_parsing_does(text, step):
+    content, calls = JsonCallParser(get_tool_parser("auto"), TOOLS).parse(text)
+    got, got_calls, _ = _streamed(text, step)
+    assert [c["function"] for c in got_calls] == [c["function"] for c in calls]
+    assert got == (content or "")
+    assert all(c["index"] == i for i, c in enumerate(got_calls))
+
+
+def test_text_that_cannot_become_a_call_is_not_held():
+    _, _, first = _streamed("The weather in Paris is sunny today, as it often is.", 3)
+    assert first == 0
+    _, _, first = _streamed('```json\n{"name": "John", "age": 30}\n```', 3)
+    assert first is not None and first < 8  # released once the name is known to be no tool's
+    _, _, first = _streamed('```python\nprint("hi")\n```', 3)
+    assert first is not None and first < 4
+
+
+def test_tags_still_win():
+    text = f"<tool_call>\n{CALL}\n</tool_call>"
+    content, calls = JsonCallParser(get_tool_parser("auto"), TOOLS).parse(text)
+    assert content is None and len(calls) == 1
+    _, got_calls, _ = _streamed(text, 4)
+    assert len(got_calls) == 1
+
+
+def test_schema_problems_are_named():
+    assert schema_problem(WEATHER) is None
+    assert "nonsense" in schema_problem({"type": "nonsense"})
+    assert schema_problem([1]) is not None
