@@ -81,6 +81,9 @@ class SpeculativeConfig:
     # Suffix decoding (method "suffix"), vLLM's names and defaults: the index's deepest match, the earlier
     # requests it keeps, the draft length as a multiple of the match length, and the lowest estimated
     # probability a drafted token may have.
+    # Draft model only: its context for a long sequence, the first DRAFT_SINKS tokens plus the last N to 2N
+    # (speculative.draft_model). None: DEFAULT_DRAFT_WINDOW; 0: the whole context.
+    draft_window: int | None = None
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
@@ -152,6 +155,13 @@ class SpeculativeConfig:
                 raise ValueError("draft_vocab_size only applies to a draft model (n-gram drafts need no LM head).")
             if v != "auto" and (not _is_int(v) or v < 256):
                 raise ValueError(f"draft_vocab_size must be 'auto' or an integer >= 256 (e.g. 32768), got {v!r}.")
+        w = self.draft_window
+        if w is not None:
+            if not self.uses_draft_model:
+                raise ValueError("draft_window bounds a draft model's context; n-gram and suffix lookups keep the "
+                                 "whole context.")
+            if not _is_int(w) or w < 0:
+                raise ValueError(f"draft_window must be an integer >= 0 (0: the whole context), got {w!r}.")
         if self.token_map is not None:
             if not self.uses_draft_model:
                 raise ValueError("token_map only applies to a draft model (n-gram drafts need no LM head).")

@@ -195,6 +195,12 @@ OPTIONS: tuple[Option, ...] = (
            default="the ranking shipped for the tokenizer", kwargs=("speculative_token_map",),
            keys=("speculative_token_map",), flags=("--speculative-token-map", "--token-map"), metavar="FILE",
            group="speculative"),
+    Option("draft_window", "draft model: past this many tokens of context, the draft sees only the first 16 "
+           "tokens (attention sinks) and the last N to 2N, re-indexed from position 0, so its prefill and steps stop "
+           "growing with the prompt (the target still verifies everything: the output is unchanged); 0: the whole "
+           "context", scope="speculative", parse=int_at_least(0), default="1024",
+           kwargs=("speculative_draft_window",), flags=("--draft-window", "--speculative-draft-window"), metavar="N",
+           group="speculative"),
     Option("quantization", "the draft model's weight format (a draft's precision only moves acceptance, never "
            "the output)", scope="speculative", parse=choice(*QUANTIZATIONS), choices=QUANTIZATIONS,
            default="auto: w4a8 with a quantized target, else the target's",
@@ -226,7 +232,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("kv_cache_dtype", "KV cache dtype: auto (16-bit on CPU, the model's dtype elsewhere), float16, bfloat16 "
            "or float32", default="auto", flags=("--kv-cache-dtype",), bench=False),
     Option("max_model_len", "context length, prompt + output", parse=int_at_least(2),
-           default="the model's, at most 4096", kwargs=("context_length",),
+           default="the model's trained context (32768 for the default pair)", kwargs=("context_length",),
            flags=("--max-model-len", "--context-length", "-c", "--ctx-size"), metavar="N"),
     Option("max_num_seqs", "requests running at once (KV cache slots)", parse=int_at_least(1),
            default="8 (1 for generate and chat)", kwargs=("max_running_requests",),
@@ -241,7 +247,7 @@ OPTIONS: tuple[Option, ...] = (
            bench=False),
     Option("kv_cache_memory", "KV cache budget in GiB, target and draft together (blocks are taken as tokens "
            "arrive; cached prefixes fill what is free)", parse=float_in(0.001, 1e6),
-           default="enough for max_num_seqs x max_model_len", flags=("--kv-cache-memory",), metavar="GiB",
+           default="address space for max_num_seqs x max_model_len, RAM as positions are held", flags=("--kv-cache-memory",), metavar="GiB",
            bench=False),
     Option("max_waiting_requests", "waiting-queue limit; beyond it requests are refused (HTTP 503)",
            parse=int_at_least(1), default="256", flags=("--max-waiting-requests",), metavar="N", bench=False),

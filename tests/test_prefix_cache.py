@@ -68,6 +68,23 @@ def test_prefix_blocks_are_shared_exactly_and_evicted_last_released_last():
     pool.check_consistency()
 
 
+def test_past_the_resident_cap_cached_blocks_are_reused_before_never_written_ones():
+    """A pool with room for long contexts keeps RAM bounded: once resident_blocks distinct blocks were written,
+    a new block comes from the oldest cached one, not from untouched address space; running sequences still
+    get every block they need."""
+    pool = BlockPool(16, num_slots=2, blocks_per_slot=8, device="cpu", resident_blocks=4)
+    for i in range(3):  # three different cached prompts of two blocks each
+        pool.ensure(0, 32)
+        pool.register(0, [100 * i + t for t in range(32)], 32, 0)
+        pool.free(0)
+    assert pool.touched == 4 and pool.num_cached_blocks == 4  # the third prompt evicted the first one
+    assert pool.match([t for t in range(32)], 32)[0] == []
+    assert len(pool.match([200 + t for t in range(32)], 32)[0]) == 2
+    pool.ensure(1, 128)  # a sequence longer than the cap: it gets its blocks, touching new ones
+    assert pool.held(1) == 128 and pool.touched == 8
+    pool.check_consistency()
+
+
 def test_disabled_prefix_caching_registers_nothing():
     pool = BlockPool(4, num_slots=1, blocks_per_slot=4, device="cpu", enable_prefix_caching=False)
     pool.ensure(0, 32)

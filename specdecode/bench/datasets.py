@@ -247,3 +247,86 @@ def corpus_texts(spec: str) -> list[str]:
             if texts:
                 return texts
     return [p.text for p in read_dataset(spec).prompts]
+
+
+# ---------------------------------------------------------------- long contexts
+LONG_LENGTHS = (2048, 8192, 16384, 32768)
+# What is asked about a document: a summary (short answer, little to copy), a listing (names copied from the
+# document) and an edit that returns the code (long spans copied: where lookups pay).
+LONG_TASKS = ("Explain what the code above does: its purpose, its main classes and functions, and how they fit "
+              "together.",
+              "List every function and class defined above, one per line, each with a one-sentence description.",
+              "Rename the first function defined above to `{name}_renamed` everywhere it is used, and return the "
+              "whole edited definition of that function.")
+_LONG_MARGIN = 64  # tokens left for the task, the chat template and the answer's first token
+
+
+def length_label(n: int) -> str:
+    """2048 -> '2k', 3000 -> '3000'."""
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def parse_length(s: str) -> int:
+    """'8k' or '8192' -> 8192 (k = 1024 tokens)."""
+    t = str(s).strip().lower()
+    try:
+        n = int(t[:-1]) * 1024 if t.endswith("k") else int(t)
+    except ValueError:
+        raise ValueError(f"a prompt length is a number of tokens such as 2048 or 2k, got {s!r}") from None
+    if n < 256:
+        raise ValueError(f"a long-context prompt length must be at least 256 tokens, got {s!r}")
+    return n
+
+
+def local_sources(root: Path | None = None) -> list[Path]:
+    """Python files to build documents from: the standard library's (or ``root``'s), in a fixed order, so that
+    every run on the same Python reads the same text offline."""
+    import sysconfig
+
+    base = Path(root) if root is not None else Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in base.glob("*.py") if p.is_file() and p.stat().st_size > 4000)
+    if not files:
+        raise DatasetError(f"no Python source files to build long prompts from under {base}")
+    return files
+
+
+def long_context_dataset(lengths: list[int], count_tokens, per_length: int = 1,
+                         root: Path | None = None) -> Dataset:
+    """Prompts of about each of ``lengths`` tokens (counted with ``count_tokens``, text -> tokens), ``per_length``
+    of each: local source files joined into one document, cut at a line to fit, then one of LONG_TASKS about it.
+    The category is the length's label ('8k'), so the report has one row per length."""
+    files = local_sources(root)
+    prompts = []
+    for n in lengths:
+        for j in range(per_length):
+            start = (j * 7 + n // 1024) % len(files)  # a different document per prompt, fixed per length
+            lines: list[str] = []
+            i = 0
+            # whole files until the budget is passed (estimated at 3 characters a token), then cut to fit
+            while sum(map(len, lines)) < 3 * n and i < len(files):
+                path = files[(start + i) % len(files)]
+                lines += [f"# ---- file: {path.name}\n"] + path.read_text(errors="replace").splitlines(True)
+                i += 1
+            task = LONG_TASKS[j % len(LONG_TASKS)]
+            first = next((ln.split("(")[0][4:].strip() for ln in lines if ln.startswith("def ")), "main")
+            task = task.format(name=first)
+            lo, hi = 0, len(lines)  # the most lines whose prompt fits n - margin tokens
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if count_tokens("".join(lines[:mid]) + "\n" + task) <= n - _LONG_MARGIN:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            head = "".join(lines[:lo])
+            nxt = lines[lo] if lo < len(lines) else ""
+            a, b = 0, len(nxt)  # then as much of the next line as fits
+            while a < b:
+                mid = (a + b + 1) // 2
+                if count_tokens(head + nxt[:mid] + "\n" + task) <= n - _LONG_MARGIN:
+                    a = mid
+                else:
+                    b = mid - 1
+            text = head + nxt[:a] + "\n" + task
+            prompts.append(BenchPrompt(f"long-{length_label(n)}-{j}", length_label(n), text))
+    return Dataset("long-context (local source files)", "long-context", prompts,
+                   note=f"documents from {files[0].parent}")

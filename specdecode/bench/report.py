@@ -174,10 +174,52 @@ _HEADERS = ["category", "config", "n", "decode tok/s", "speedup", "accept %", "m
             "weight GB/s (of peak)", "peak RSS MB", "model MB", "greedy vs baseline"]
 
 
+def long_context_rows(result: dict) -> list[dict]:
+    """Per prompt length (the long-context dataset's categories) and config: mean prompt tokens, TTFT, decode
+    tokens/s with the draft's prefill counted, end-to-end seconds, and the end-to-end rate against the
+    baseline's on the same prompts (> 1: faster than speculation off)."""
+    out = []
+    for cat in result["categories"]:
+        runs = [r for r in result["runs"] if r["category"] == cat]
+        e2e: dict[str, float] = {}
+        for name in result["per_category"][cat]:
+            rs = [r for r in runs if r["config"] == name]
+            if not rs:
+                continue
+            dec = sum(max(0, r["output_tokens"] - 1) for r in rs)
+            dec_s = sum(r["decode_time_s"] + r["draft_prefill_s"] for r in rs)
+            e2e[name] = sum(r["e2e_latency_s"] for r in rs)
+            out.append({"length": cat, "config": name, "num_prompts": len(rs),
+                        "prompt_tokens": statistics.fmean(r["prompt_tokens"] for r in rs),
+                        "ttft_s": statistics.fmean(r["ttft_s"] for r in rs),
+                        "decode_tokens_per_s": dec / dec_s if dec_s > 0 else None,
+                        "e2e_s": e2e[name] / len(rs),
+                        "draft_prefill_s": statistics.fmean(r["draft_prefill_s"] for r in rs),
+                        "identical": all(r["match_baseline"] is not False for r in rs)})
+        for row in out:
+            if row["length"] == cat:
+                base = e2e.get("baseline")
+                row["e2e_vs_plain"] = base / e2e[row["config"]] if base and e2e[row["config"]] else None
+    return out
+
+
+def _long_table(result: dict) -> str:
+    rows = [[r["length"], r["config"], str(r["num_prompts"]), _fmt(r["prompt_tokens"], ".0f"), _fmt(r["ttft_s"]),
+             _fmt(r["decode_tokens_per_s"]), _fmt(r["draft_prefill_s"]), _fmt(r["e2e_s"]),
+             _fmt(r["e2e_vs_plain"]) + ("x" if r["e2e_vs_plain"] is not None else ""),
+             "yes" if r["identical"] else "NO"] for r in long_context_rows(result)]
+    return ("Per prompt length (decode tok/s counts the draft's prefill; e2e vs plain = the baseline's end-to-end "
+            "time / this config's)\n"
+            + _table(["length", "config", "n", "prompt tok", "TTFT s", "decode tok/s", "draft prefill s", "e2e s",
+                      "e2e vs plain", "greedy same"], rows, right=set(range(2, 9))))
+
+
 def format_report(result: dict) -> str:
     meta = result["meta"]
     greedy = meta.get("greedy", True)
     parts = []
+    if meta.get("dataset_format") == "long-context":
+        parts.append(_long_table(result))
     rows = []
     for cat in result["categories"]:
         for m in result["per_category"][cat].values():

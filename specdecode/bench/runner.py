@@ -112,6 +112,7 @@ class BenchSettings:
     token_map: str | None = None  # per value; None: the full LM head. token_map: the ranking sizes cut from
     draft_quantization: str | None = None  # draft configs: the draft's weight format (None: the target's)
     compile: bool = False             # torch.compile the decode / verification layers (EngineConfig.compile)
+    draft_window: int | None = None   # draft configs: the draft's bounded context (None: the default)
 
 
 @dataclass
@@ -353,7 +354,8 @@ class BenchRunner:
             # k given: a fixed-k config (no preset policy); 0: the full draft head, each config sets its own.
             kw.update(speculative_model=s.draft_model or "default", num_speculative_tokens=kmax,
                       speculative_token_map=s.token_map, speculative_draft_vocab_size=0,
-                      speculative_model_quantization=s.draft_quantization)
+                      speculative_model_quantization=s.draft_quantization,
+                      speculative_draft_window=s.draft_window)
         elif "ngram" in s.methods:
             kw.update(speculative_model="[ngram]", num_speculative_tokens=kmax,
                       ngram_prompt_lookup_min=ngram_min, ngram_prompt_lookup_max=s.ngram_max)
@@ -515,7 +517,7 @@ class BenchRunner:
             "draft_p_min": s.draft_p_mins, "draft_confidence": s.draft_confidences,
             "draft_vocab_size": s.draft_vocab_sizes,
             "token_map": s.token_map,
-            "draft_quantization": s.draft_quantization,
+            "draft_quantization": s.draft_quantization, "draft_window": s.draft_window,
             "chat_template": self.use_chat, "ngram_min": self._ngram_mins, "ngram_max": s.ngram_max,
             "lookup_k": s.lookup_ks,
             "dtype": s.dtype, "quantization": s.quantization, "threads": torch.get_num_threads(),

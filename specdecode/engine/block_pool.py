@@ -21,6 +21,18 @@ exact repeat of a prompt computes only its last token, as llama-server's slot ca
 
 Blocks nobody references stay cached, in least-recently-released order, and are evicted only when a fresh
 block is needed. Each registered block records whether the draft model's cache holds it too.
+
+The draft's window. A draft model with a bounded context (speculative.draft_model) keeps, for a long
+sequence, only its first tokens and a recent window, at positions re-indexed from 0: content that matches no
+prefix of the target's. For such a slot (``open_window``) the draft's cache reads and writes blocks private to
+the slot, through its own table (``draft_table``, which mirrors ``block_table`` for every other slot); they
+are never registered, and while the window is open the draft's content of the shared blocks is not vouched for.
+
+Resident memory. The caches' storage is mapped lazily (engine.kv_cache): a block takes RAM once first written.
+So that a pool sized for long contexts (every slot at the model's trained context) costs RAM only for what
+sequences hold, ``resident_blocks`` bounds how many distinct blocks the prefix cache may keep written: past it,
+a fresh block is taken by evicting the oldest cached one rather than by touching a never-used one. Sequences
+themselves always get the blocks they need.
 """
 from __future__ import annotations
 
@@ -45,13 +57,19 @@ class _Cached:
 
 class BlockPool:
     def __init__(self, num_blocks: int, num_slots: int, blocks_per_slot: int, device: torch.device | str,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, resident_blocks: int | None = None):
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks, self.num_slots, self.blocks_per_slot = num_blocks, num_slots, blocks_per_slot
+        self.resident_blocks = num_blocks if resident_blocks is None else max(1, min(resident_blocks, num_blocks))
+        # Never-used blocks are taken in increasing order, so the blocks ever written are exactly [0, touched).
+        self.touched = 0
         self.enable_prefix_caching = enable_prefix_caching
         # Entries a slot does not hold point at block 0: never read, since readers stay below the lengths given.
         self.block_table = torch.zeros(num_slots, blocks_per_slot, dtype=torch.int64, device=device)
+        self.draft_table = torch.zeros_like(self.block_table)  # the draft's cache's: see "The draft's window"
+        self._private: list[list[int] | None] = [None] * num_slots  # a slot's window blocks; None: no window
+        self._offset = [0] * num_slots  # per open window: real position - re-indexed position past the sinks
         self._slot_blocks: list[list[int]] = [[] for _ in range(num_slots)]
         self._refs = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))   # never used, or released and not cached
@@ -95,8 +113,12 @@ class BlockPool:
 
     # ---- allocation ----
     def _take(self) -> int:
-        if self._free:
+        # Released blocks go on top of the free list: a top below `touched` was written before. A never-used
+        # block is taken only while the written ones stay within resident_blocks, or when nothing is evictable.
+        if self._free and (self._free[-1] < self.touched or self.touched < self.resident_blocks
+                           or not self._evictable):
             block = self._free.pop()
+            self.touched = max(self.touched, block + 1)
         elif self._evictable:
             block, _ = self._evictable.popitem(last=False)
             self._forget(block)
@@ -137,10 +159,61 @@ class BlockPool:
         while len(blocks) < n:
             block = self._take()
             self.block_table[slot, len(blocks)] = block
+            if self._private[slot] is None:
+                self.draft_table[slot, len(blocks)] = block
             blocks.append(block)
 
+    # ---- the draft's window ----
+    def window(self, slot: int) -> int | None:
+        """The offset of the slot's open draft window (real position - re-indexed position past the sinks), or
+        None: the draft's cache holds the slot's positions as they are, in the shared blocks."""
+        return None if self._private[slot] is None else self._offset[slot]
+
+    def open_window(self, slot: int, offset: int, num_tokens: int) -> bool:
+        """Give the slot's draft private blocks for re-indexed positions [0, num_tokens) (kept when a window is
+        open already) and set its offset; False, changing nothing, when the pool cannot spare the blocks."""
+        have = self._private[slot] or []
+        n = -(-num_tokens // BLOCK_SIZE)
+        if n > self.blocks_per_slot or n - len(have) > self.num_free_blocks:
+            return False
+        private = list(have)
+        while len(private) < n:
+            block = self._take()
+            self.draft_table[slot, len(private)] = block
+            private.append(block)
+        self._private[slot], self._offset[slot] = private, offset
+        return True
+
+    def ensure_draft(self, slot: int, num_tokens: int) -> None:
+        """Blocks for the draft's positions [0, num_tokens) of ``slot``: its window's, else the shared ones."""
+        private = self._private[slot]
+        if private is None:
+            self.ensure(slot, num_tokens)
+        elif -(-num_tokens // BLOCK_SIZE) > len(private):
+            if not self.open_window(slot, self._offset[slot], num_tokens):
+                raise KVCacheFullError(f"The KV cache has no block left for the draft's window of slot {slot}.")
+
+    def draft_blocks(self, slot: int) -> list[int]:
+        """The blocks the draft's cache reads for ``slot``, in position order (do not modify)."""
+        private = self._private[slot]
+        return self._slot_blocks[slot] if private is None else private
+
+    def _close_window(self, slot: int) -> None:
+        private = self._private[slot]
+        if private is None:
+            return
+        for block in private:  # never registered: straight back to the free list
+            self._refs[block] -= 1
+            self._free.append(block)
+        self._private[slot] = None
+        blocks = self._slot_blocks[slot]
+        if blocks:
+            self.draft_table[slot, :len(blocks)] = self.block_table[slot, :len(blocks)]
+
     def free(self, slot: int) -> None:
-        """Drop the slot's references. Registered blocks stay cached until evicted; the rest are free."""
+        """Drop the slot's references (and its draft window). Registered blocks stay cached until evicted; the
+        rest are free."""
+        self._close_window(slot)
         for block in reversed(self._slot_blocks[slot]):  # the tail first: the prefix stays cached longest
             self._refs[block] -= 1
             if self._refs[block] == 0:
@@ -196,6 +269,7 @@ class BlockPool:
                 self._evictable.pop(block, None)
             self._refs[block] += 1
             self.block_table[slot, i] = block
+            self.draft_table[slot, i] = block
         self._slot_blocks[slot] = list(blocks)
 
     def count_query(self, queried: int, hit: int) -> None:
@@ -208,6 +282,8 @@ class BlockPool:
         positions [0, draft_tokens)."""
         if not self.enable_prefix_caching:
             return
+        if self._private[slot] is not None:
+            draft_tokens = 0  # the draft's content is in its window (flags already set stay: still true)
         parent = 0
         blocks = self._slot_blocks[slot]
         full = min(num_tokens // BLOCK_SIZE, len(blocks))
@@ -249,7 +325,7 @@ class BlockPool:
     def check_consistency(self) -> None:
         """Assert the pool's invariants (tests): every block is free, evictable or referenced, exactly once."""
         refs = [0] * self.num_blocks
-        for blocks in self._slot_blocks:
+        for blocks in self._slot_blocks + [p for p in self._private if p is not None]:
             for b in blocks:
                 refs[b] += 1
         assert refs == self._refs, "reference counts disagree with the slots' blocks"

@@ -79,7 +79,8 @@ class KVCache:
     see it as a ``layers.paged_kv.PagedKVCache``."""
 
     def __init__(self, num_layers: int, num_slots: int, max_model_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, pool: BlockPool | None = None):
+                 dtype: torch.dtype, device: torch.device | str, pool: BlockPool | None = None,
+                 draft: bool = False):
         if dtype not in (torch.float16, torch.bfloat16, torch.float32) and torch.device(device).type == "cpu":
             raise ValueError(f"KV cache dtype {dtype} is not supported on CPU (float16, bfloat16 or float32).")
         self.device = torch.device(device)
@@ -100,15 +101,17 @@ class KVCache:
         self._keys = [pools[i, 0].view(self.num_blocks, num_kv_heads, head_dim, BLOCK_SIZE) for i in range(num_layers)]
         self._values = [pools[i, 1].view(self.num_blocks, num_kv_heads, BLOCK_SIZE, head_dim)
                         for i in range(num_layers)]
-        self.block_table = pool.block_table
+        # A draft model's cache follows the pool's draft table: the shared blocks, or a slot's draft window.
+        self.draft = draft
+        self.block_table = pool.draft_table if draft else pool.block_table
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, num_slots: int, max_model_len: int, kv_cache_dtype: str,
-                  device: torch.device | str, pool: BlockPool | None = None) -> "KVCache":
-        """A cache shaped for ``model`` (a models.model.CausalLM)."""
+                  device: torch.device | str, pool: BlockPool | None = None, draft: bool = False) -> "KVCache":
+        """A cache shaped for ``model`` (a models.model.CausalLM); ``draft``: a draft model's (see BlockPool)."""
         a = model.args
         dtype = resolve_kv_dtype(kv_cache_dtype, device, model.embed_tokens.weight.dtype)
-        return cls(a.num_layers, num_slots, max_model_len, a.num_kv_heads, a.head_dim, dtype, device, pool)
+        return cls(a.num_layers, num_slots, max_model_len, a.num_kv_heads, a.head_dim, dtype, device, pool, draft)
 
     @staticmethod
     def block_bytes(model: torch.nn.Module, kv_cache_dtype: str, device: torch.device | str) -> int:
@@ -118,8 +121,11 @@ class KVCache:
         return 2 * a.num_layers * a.num_kv_heads * a.head_dim * BLOCK_SIZE * torch.empty((), dtype=dtype).element_size()
 
     def ensure(self, slot: int, num_tokens: int) -> None:
-        """Blocks for positions [0, num_tokens) of ``slot`` (BlockPool.ensure)."""
-        self.pool.ensure(slot, num_tokens)
+        """Blocks for positions [0, num_tokens) of ``slot`` (BlockPool.ensure, or ensure_draft)."""
+        if self.draft:
+            self.pool.ensure_draft(slot, num_tokens)
+        else:
+            self.pool.ensure(slot, num_tokens)
 
     def copy_positions(self, src: int, dst: int, n: int) -> None:
         """Copy the first ``n`` positions of block ``src`` into block ``dst``, in every layer (a prefix-cache hit
@@ -153,7 +159,7 @@ class KVCache:
         """(first block, None) when the blocks of positions [0, end) of ``slot`` are consecutive, else (0, the
         block indices)."""
         n = -(-end // BLOCK_SIZE)
-        held = self.pool.blocks(slot)[:n]
+        held = (self.pool.draft_blocks(slot) if self.draft else self.pool.blocks(slot))[:n]
         if len(held) < n:
             raise RuntimeError(f"KVCache.read: slot {slot} holds {len(held) * BLOCK_SIZE} positions, {end} asked")
         if held[-1] - held[0] == n - 1 and held == list(range(held[0], held[0] + n)):

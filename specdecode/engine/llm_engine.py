@@ -36,6 +36,20 @@ logger = logging.getLogger("specdecode")
 
 __all__ = ["LLMEngine", "QueueFullError"]
 
+# Without a kv_cache_memory budget, positions per slot the prefix cache may keep resident (the pool itself has
+# room for every slot at max_model_len, as address space): the RAM the 4096-token default context took.
+RESIDENT_CONTEXT = 4096
+
+
+def _ram_bytes() -> int:
+    """The machine's physical memory (a large number where the platform does not say)."""
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 50
+
 
 @dataclass
 class PrefillChunks:
@@ -102,7 +116,7 @@ class LLMEngine:
         self.target = ModelRunner(target, c.max_num_seqs, self.max_model_len, c.device, c.kv_cache_dtype, self.pool)
         if draft is not None:
             self.draft_runner = ModelRunner(draft, c.max_num_seqs, self.max_model_len, c.device, c.kv_cache_dtype,
-                                            self.pool)
+                                            self.pool, draft=True)
         if c.compile:
             for runner in (self.target, self.draft_runner):
                 if runner is not None:
@@ -129,12 +143,18 @@ class LLMEngine:
 
     def _block_pool(self, models: list) -> BlockPool:
         """The KV blocks: kv_cache_memory GiB of them (target and draft together), or by default enough for
-        every slot to hold max_model_len positions. Too small for one max_model_len sequence is an error."""
+        every slot to hold max_model_len positions. Too small for one max_model_len sequence is an error.
+        By default the storage is only address space (engine.kv_cache), and what the prefix cache keeps
+        written past the running sequences' blocks is bounded by RESIDENT_CONTEXT positions per slot."""
         c = self.config
         per_block = sum(KVCache.block_bytes(m, c.kv_cache_dtype, c.device) for m in models)
         per_seq = -(-self.max_model_len // BLOCK_SIZE)
+        resident = None
         if c.kv_cache_memory is None:
-            num_blocks = c.max_num_seqs * per_seq
+            # Address space is free, but the kernel refuses one map much larger than the machine's RAM (a
+            # 128k-context model at 8 slots): then fewer blocks, never fewer than one full sequence's.
+            num_blocks = max(per_seq, min(c.max_num_seqs * per_seq, _ram_bytes() // per_block))
+            resident = max(per_seq, c.max_num_seqs * min(per_seq, RESIDENT_CONTEXT // BLOCK_SIZE))
         else:
             num_blocks = int(c.kv_cache_memory * 2 ** 30 // per_block)
             if num_blocks < per_seq:
@@ -142,7 +162,7 @@ class LLMEngine:
                 raise ValueError(f"kv_cache_memory={c.kv_cache_memory} GiB cannot hold one sequence of "
                                  f"max_model_len={self.max_model_len} tokens ({need:.2f} GiB for these models); "
                                  "raise kv_cache_memory or lower max_model_len.")
-        return BlockPool(num_blocks, c.max_num_seqs, per_seq, c.device, c.enable_prefix_caching)
+        return BlockPool(num_blocks, c.max_num_seqs, per_seq, c.device, c.enable_prefix_caching, resident)
 
     def set_speculative(self, spec: SpeculativeConfig | dict | None) -> None:
         """Switch speculative decoding on this loaded engine, between requests: a SpeculativeConfig (or a

@@ -18,10 +18,11 @@ from specdecode.models.loader import LoadedModel
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, max_num_seqs: int, max_model_len: int, device: str,
-                 kv_cache_dtype: str = "auto", pool: BlockPool | None = None):
+                 kv_cache_dtype: str = "auto", pool: BlockPool | None = None, draft: bool = False):
         """kv_cache_dtype: "auto" (16-bit on CPU, the model dtype elsewhere), "float16", "bfloat16" or
         "float32" (see engine.kv_cache). pool: the blocks to use (shared with another runner), or None for
-        a pool of this runner's own with room for max_num_seqs sequences of max_model_len."""
+        a pool of this runner's own with room for max_num_seqs sequences of max_model_len. draft: a draft
+        model's runner, whose cache follows the pool's draft table (a slot's bounded draft window)."""
         self.model = loaded.model
         self.hf_config = loaded.hf_config
         self.device = torch.device(device)
@@ -29,7 +30,7 @@ class ModelRunner:
         self.vocab_size = self.model.args.vocab_size
         self.num_passes = 0  # decode/verify forward passes; the bench turns them into weight bytes read
         self.kv_cache = KVCache.for_model(self.model, max_num_seqs, max_model_len, kv_cache_dtype, self.device,
-                                          pool)
+                                          pool, draft)
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for i, m in enumerate(layers):
             m.bind_kv_cache(self.kv_cache, i)

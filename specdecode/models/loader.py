@@ -105,7 +105,7 @@ def weight_format(dtype: str, device: str, quantization: str | None) -> str:
 
 def load_model(path: Path, dtype: str, device: str, max_model_len: int | None,
                quantization: str | None, packed_cache: bool | None = None) -> LoadedModel:
-    """max_model_len None means the model's own limit, capped at 4096 to bound the KV cache.
+    """max_model_len None means the model's own limit (its trained context, as in vLLM).
 
     On CPU the converted (packed) weights are cached on disk (models/packed_cache.py) unless ``packed_cache`` is
     False or ``$SPECDECODE_PACKED_CACHE=0``: the first load converts and writes the entry, later loads
@@ -289,11 +289,12 @@ def context_limit(args) -> int:
 
 
 def _check_len(args, max_model_len: int | None) -> int:
-    """max_model_len, by default the model's context up to 4096. A learned position table has no rows beyond
+    """max_model_len, by default the model's trained context (the KV cache takes RAM only for the positions
+    sequences hold: engine.kv_cache, engine.block_pool). A learned position table has no rows beyond
     the context; RoPE models run past it (a draft model may be shorter than the target: its drafts only cost
     speed). The engine refuses a target's max_model_len beyond its context (``check_context``)."""
     if max_model_len is None:
-        return min(context_limit(args), 4096)
+        return context_limit(args)
     if args.positions == "learned" and max_model_len > args.max_position_embeddings:
         raise ValueError(f"max_model_len={max_model_len} exceeds the {args.max_position_embeddings} positions "
                          f"this model was trained with; use max_model_len <= {args.max_position_embeddings}.")

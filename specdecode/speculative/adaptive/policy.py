@@ -90,6 +90,10 @@ class AdaptiveK:
         self.expected_batch = 0  # requests the engine holds now (Proposer.expect_batch)
         self.confidence = ConfidenceRates()
         self.drafting_hopeless = False  # the last plan's finding (see plan): confidences need not be noted
+        # A draft model with a bounded context (draft_model.DraftModelProposer's window): the most tokens its
+        # view of a request holds, and the longest catch-up it feeds (a rebuilt view); 0: unbounded.
+        self.draft_context = 0
+        self.draft_catch_up = 0
 
     def calibrate(self, target, draft, k_max: int, max_len: int, identity: dict[str, Any],
                   refresh: bool = False, draft_head: torch.nn.Module | None = None) -> CostModel:
@@ -142,7 +146,7 @@ class AdaptiveK:
         if not n:
             return []
         context = sum(len(r.all_token_ids) for r in requests) // n
-        sc = StepCosts(self.costs, context)
+        sc = StepCosts(self.costs, context, self.draft_context)
         self._peak = max(float(n), self._peak * _PEAK_DECAY)
         peak = max(int(self._peak + 0.5), self.expected_batch)
         # Where the draft model cannot pay at this batch even if it drafted well, its options are left out: they
@@ -166,7 +170,7 @@ class AdaptiveK:
             options.append(opts)
             last = r.spec.plan
             starts.append(next((j for j, o in enumerate(opts) if last == (o.lookup, o.k)), 0))
-        chosen = plan_step(options, self.costs, context, starts)
+        chosen = plan_step(options, self.costs, context, starts, self.draft_context)
         batch = BatchPlan(options, sc, chosen)
         out = []
         for i, (r, budget, lk, dk) in enumerate(zip(requests, budgets, lookup_ks, draft_ks)):
@@ -235,6 +239,8 @@ class AdaptiveK:
             done = r.draft_computed
             context = len(r.all_token_ids) + prefix_length(r)
             lag = context - done if done else context
+            if self.draft_catch_up:
+                lag = min(lag, self.draft_catch_up)
         # The draft model's first pass feeds what it has not seen yet: one token after a step it drafted in,
         # the whole context the first time (its prefill) or after sitting out. That extra work buys drafts for
         # the rest of the request, so it is spread over the tokens the request is all but sure to have left.
