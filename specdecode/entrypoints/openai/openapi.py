@@ -180,7 +180,7 @@ def build_openapi(app: FastAPI, facts: ServerFacts) -> dict[str, Any]:
     for path in _STREAMING:
         if path in paths:  # with "stream": true the 200 is a stream of server-sent events
             content = paths[path]["post"]["responses"]["200"].setdefault("content", {})
-            content["text/event-stream"] = {"schema": {"type": "string"}}
+            content["text/event-stream"] = {"schema": {}}  # events of the route's own chunk shapes
     for path, item in paths.items():
         error = _ANTHROPIC_ERROR if path.startswith("/v1/messages") else _ERROR
         for method, op in item.items():
