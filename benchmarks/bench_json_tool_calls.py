@@ -73,17 +73,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:8011/v1")
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--per-kind", type=int, default=len(SHOULD_CALL), help="prompts of each kind to ask")
     args = ap.parse_args()
     client = openai.OpenAI(base_url=args.url, api_key="unused", timeout=600, max_retries=0)
     model = client.models.list().data[0].id
     t0 = time.time()
     rows = []
-    for prompt, want in SHOULD_CALL:
+    for prompt, want in SHOULD_CALL[:args.per_kind]:
         for stream in (False, True):
             names, text = ask(client, model, prompt, stream, args.max_tokens)
             rows.append({"kind": "call", "prompt": prompt, "stream": stream, "ok": names == [want],
                          "calls": names, "text": text[:80]})
-    for prompt in STAY_TEXT:
+    for prompt in STAY_TEXT[:args.per_kind]:
         for stream in (False, True):
             names, text = ask(client, model, prompt, stream, args.max_tokens)
             rows.append({"kind": "text", "prompt": prompt, "stream": stream, "ok": not names and bool(text),

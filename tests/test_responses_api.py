@@ -174,7 +174,7 @@ OK = {"model": MODEL, "input": "hi", "max_output_tokens": 4}
     ({**OK, "include": ["message.output_text.logprobs"]}, "include", "'include'"),
     ({**OK, "truncation": "auto"}, "truncation", "truncation"),
     ({k: v for k, v in OK.items() if k != "input"}, "input", "input"),
-    ({**OK, "input": []}, "input", "messages"),
+    ({**OK, "input": []}, "input", "input"),
     ({**OK, "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, None, "image_url"),
     ({**OK, "input": [{"type": "reasoning", "summary": []}]}, None, "reasoning"),
     ({**OK, "input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]}, None, "JSON"),

@@ -50,6 +50,7 @@ _POST_ERRORS = {"400": "Invalid request: malformed JSON, a wrong type, an unsupp
                 "413": "The request body is larger than the server's limit",
                 "415": "The request body is not sent as JSON",
                 "503": "The server is busy (its queue or request slots are full) or shutting down; see Retry-After"}
+_STREAMING = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 _NOT_FOUND = {"/v1/models/{model_id}": "No model of that name is served here",
               "/v1/responses/{response_id}": "No stored response has that id"}
 
@@ -130,12 +131,13 @@ def _sampling_fields(schema: dict[str, Any], facts: ServerFacts) -> None:
                 branch["propertyNames"] = {"pattern": r"^[0-9]{1,12}$"}
                 branch["additionalProperties"] = {"type": "number", "minimum": -100, "maximum": 100}
     for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
-        if name in props and facts.max_model_len is not None:
+        if name in props and facts.max_model_len is not None and schema.get("title") != "MessagesRequest":
             _bound(props[name], {"maximum": facts.max_model_len - 1})
 
 
 def _request_bounds(schemas: dict[str, Any], facts: ServerFacts) -> None:
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
+    # the Responses and Messages bodies become chat requests: the same ranges hold for the fields they carry
+    for name in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest", "MessagesRequest"):
         if name in schemas:
             _sampling_fields(schemas[name], facts)
     if "CompletionRequest" in schemas:
@@ -175,6 +177,10 @@ def build_openapi(app: FastAPI, facts: ServerFacts) -> dict[str, Any]:
         schemas.pop(name, None)
     _request_bounds(schemas, facts)
     paths = schema.setdefault("paths", {})
+    for path in _STREAMING:
+        if path in paths:  # with "stream": true the 200 is a stream of server-sent events
+            content = paths[path]["post"]["responses"]["200"].setdefault("content", {})
+            content["text/event-stream"] = {"schema": {}}  # events of the route's own chunk shapes
     for path, item in paths.items():
         error = _ANTHROPIC_ERROR if path.startswith("/v1/messages") else _ERROR
         for method, op in item.items():

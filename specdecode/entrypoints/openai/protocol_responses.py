@@ -112,7 +112,7 @@ class TextConfig(_Body):
 class ResponsesRequest(_Body):
     """POST /v1/responses."""
     model: str | None = None
-    input: str | list[InputItem]
+    input: str | Annotated[list[InputItem], Field(min_length=1)]  # an empty list leaves nothing to answer
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = None
