@@ -47,8 +47,9 @@ def test_default_max_model_len_is_the_trained_context(tiny_models, tiny_dir, one
     assert explicit.llm_engine.max_model_len == 300
 
 
-def test_bounded_draft_is_exact_and_never_sees_more_than_its_window(tiny_models, noisy_drafts, one_thread):
-    model, draft = tiny_models["llama"], noisy_drafts["llama"]
+@pytest.mark.parametrize("fam", ["llama", "opt"])  # the C++ layer stack, and the Python attention path
+def test_bounded_draft_is_exact_and_never_sees_more_than_its_window(fam, tiny_models, noisy_drafts, one_thread):
+    model, draft = tiny_models[fam], noisy_drafts[fam]
     prompts = _prompts()
     ref_llm = LLM(str(model), max_model_len=512, enable_prefix_caching=False, max_num_batched_tokens=4096,
                   speculative_config={"method": "none"})
