@@ -110,23 +110,14 @@ static inline void w8a8_tile(const W8Args& a, int64_t m0, int64_t g0) {
         for (int c = 0; c < C; ++c) t[r][c] = _mm512_dpbusd_epi32(t[r][c], wv[c], q);
       }
     }
-    if constexpr (Q8) {
-      __m512 u[C];
-      q8_units<C>(a, g0, b, u);
+    __m512 u[C];
+    if constexpr (Q8) q8_units<C>(a, g0, b, u);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m512 d = _mm512_set1_ps(a.x.d[(m0 + r) * a.x.ldb + b]);
+    for (int r = 0; r < R; ++r) {
+      const __m512 d = _mm512_set1_ps(a.x.d[(m0 + r) * a.x.ldb + b]);
 #pragma GCC unroll 8
-        for (int c = 0; c < C; ++c)
-          acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[r][c]), _mm512_mul_ps(d, u[c]), acc[r][c]);
-      }
-    } else {
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m512 d = _mm512_set1_ps(a.x.d[(m0 + r) * a.x.ldb + b]);
-#pragma GCC unroll 8
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[r][c]), d, acc[r][c]);
-      }
+      for (int c = 0; c < C; ++c)
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[r][c]), Q8 ? _mm512_mul_ps(d, u[c]) : d, acc[r][c]);
     }
   }
   w8a8_store<Q8, R, C>(a, m0, g0, acc);
@@ -182,24 +173,15 @@ static inline void w8a8_group(const W8Args& a, int64_t m0, int64_t g) {
         }
       }
     }
-    if constexpr (Q8) {
-      __m256 u[H];
-#pragma GCC unroll 2
+    __m256 u[H];  // Q8: the block's weight scales
+    if constexpr (Q8)
       for (int h = 0; h < H; ++h) u[h] = load_half8(a.group_units(g) + b * kGroup + 8 * h);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m256 d = _mm256_set1_ps(a.x.d[(m0 + r) * a.x.ldb + b]);
+    for (int r = 0; r < R; ++r) {
+      const __m256 d = _mm256_set1_ps(a.x.d[(m0 + r) * a.x.ldb + b]);
 #pragma GCC unroll 2
-        for (int h = 0; h < H; ++h)
-          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t[r][h]), _mm256_mul_ps(d, u[h]), acc[r][h]);
-      }
-    } else {
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m256 d = _mm256_set1_ps(a.x.d[(m0 + r) * a.x.ldb + b]);
-#pragma GCC unroll 2
-        for (int h = 0; h < H; ++h) acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t[r][h]), d, acc[r][h]);
-      }
+      for (int h = 0; h < H; ++h)
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t[r][h]), Q8 ? _mm256_mul_ps(d, u[h]) : d, acc[r][h]);
     }
   }
 #pragma GCC unroll 2
