@@ -113,13 +113,13 @@ def _load(path: Path, packed_cache: bool):
             os.environ["SPECDECODE_PACKED_CACHE"] = prev
 
 
-def _decode_rate(llm, max_tokens: int) -> float:
+def _decode_rate(llm, max_tokens: int, prompts: list[str]) -> float:
     """Decode tokens/s over the prompts (time after each one's first token, which prefill produces)."""
     from specdecode import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     tokens = seconds = 0.0
-    for prompt in _PROMPTS:
+    for prompt in prompts:
         out = llm.generate([prompt], sampling_params=params, use_tqdm=False)[0]
         m = out.metrics
         tokens += len(out.outputs[0].token_ids) - 1
@@ -127,35 +127,42 @@ def _decode_rate(llm, max_tokens: int) -> float:
     return tokens / seconds
 
 
-def bench(src: Path, dst: Path, rounds: int, max_tokens: int) -> dict:
-    """Load times (converting, and from the packed cache) and interleaved decode rates of ``src`` and ``dst``."""
+def bench(src: Path, dst: Path, rounds: int, max_tokens: int, num_prompts: int = len(_PROMPTS),
+          convert_load: bool = True) -> dict:
+    """Load times (converting, unless ``convert_load`` is False, and from the packed cache) and interleaved decode
+    rates of ``src`` and ``dst``."""
     files = {"source": src, "q8_0": dst}
+    prompts = _PROMPTS[:num_prompts]
     result: dict = {"files": {k: str(v) for k, v in files.items()}, "load_convert_s": {}, "load_cached_s": {}}
     engines = {}
     for name, path in files.items():
-        llm, secs = _load(path, packed_cache=False)
-        result["load_convert_s"][name] = round(secs, 2)
-        del llm
+        if convert_load:
+            llm, secs = _load(path, packed_cache=False)
+            result["load_convert_s"][name] = round(secs, 2)
+            print(json.dumps({"load_convert_s": {name: round(secs, 2)}}), flush=True)
+            del llm
         _load(path, packed_cache=True)  # writes the cache entry if it is missing
         engines[name], secs = _load(path, packed_cache=True)
         result["load_cached_s"][name] = round(secs, 2)
         model = engines[name].llm_engine.target.model
         result.setdefault("weight_formats", {})[name] = dict(Counter(
             m.packed.fmt for m in model.modules() if getattr(m, "packed", None) is not None))
+    print(json.dumps({k: result[k] for k in ("load_cached_s", "weight_formats")}), flush=True)
     for llm in engines.values():  # warm-up
-        _decode_rate(llm, 8)
+        _decode_rate(llm, 8, prompts[:1])
     rates: dict[str, list[float]] = {name: [] for name in files}
     for r in range(rounds):
         order = list(files) if r % 2 == 0 else list(reversed(files))
         for name in order:
-            rates[name].append(_decode_rate(engines[name], max_tokens))
+            rates[name].append(_decode_rate(engines[name], max_tokens, prompts))
+        print(json.dumps({"round": r, **{k: round(v[-1], 2) for k, v in rates.items()}}), flush=True)
     ratios = [q / s for q, s in zip(rates["q8_0"], rates["source"])]
     result.update({
         "decode_tok_s": {k: [round(v, 2) for v in vs] for k, vs in rates.items()},
         "decode_tok_s_median": {k: round(statistics.median(vs), 2) for k, vs in rates.items()},
         "q8_0_over_source_per_round": [round(x, 3) for x in ratios],
         "q8_0_over_source_median": round(statistics.median(ratios), 3),
-        "max_tokens": max_tokens, "rounds": rounds, "prompts": len(_PROMPTS),
+        "max_tokens": max_tokens, "rounds": rounds, "prompts": len(prompts),
     })
     return result
 
@@ -168,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bench", action="store_true", help="then time loading and plain decoding of both files")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
+    ap.add_argument("--num-prompts", type=int, default=len(_PROMPTS), choices=range(1, len(_PROMPTS) + 1),
+                    help=f"prompts per round (default {len(_PROMPTS)})")
+    ap.add_argument("--no-convert-load", action="store_true",
+                    help="skip the load with the packed cache off (the full conversion: minutes on a busy machine)")
     ap.add_argument("--output-json", type=Path, default=None)
     a = ap.parse_args(argv)
     if not a.src.is_file():
@@ -178,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         out["convert"] = convert(a.src, a.dst)
         print(json.dumps(out["convert"]), flush=True)
     if a.bench:
-        out["bench"] = bench(a.src, a.dst, a.rounds, a.max_tokens)
+        out["bench"] = bench(a.src, a.dst, a.rounds, a.max_tokens, a.num_prompts, not a.no_convert_load)
         print(json.dumps(out["bench"], indent=1))
     if a.output_json:
         a.output_json.write_text(json.dumps(out, indent=1))
