@@ -79,3 +79,54 @@ def test_schema_problems_are_named():
     assert schema_problem(WEATHER) is None
     assert "nonsense" in schema_problem({"type": "nonsense"})
     assert schema_problem([1]) is not None
+
+
+# ---------------------------------------------------------------- the default model, through the openai client
+@pytest.fixture(scope="module")
+def default_client():
+    import openai
+
+    from specdecode.entrypoints.openai.api_server import build_app
+    from test_server import serve
+
+    # the default target alone: greedy text is the same with its draft (tests/test_exactness.py), and the call is
+    # read from the text
+    with serve(build_app({"speculative_method": "none"}, "default")) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+
+
+def _ask(client, messages, stream=False):
+    kw = dict(model="default", messages=messages, tools=TOOLS, tool_choice="auto", temperature=0, max_tokens=64)
+    if not stream:
+        return client.chat.completions.create(**kw).choices[0]
+    calls, text, finish = {}, [], None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for choice in chunk.choices:
+            text.append(choice.delta.content or "")
+            for c in choice.delta.tool_calls or []:
+                calls.setdefault(c.index, {"name": "", "arguments": ""})
+                calls[c.index]["name"] += c.function.name or ""
+                calls[c.index]["arguments"] += c.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return calls, "".join(text), finish
+
+
+def test_the_default_model_calls_a_tool_under_auto(default_client):
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    choice = _ask(default_client, question)
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] == "Paris"
+
+    calls, text, finish = _ask(default_client, question, stream=True)
+    assert finish == "tool_calls" and text == ""
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
+        [(call.function.name, json.loads(call.function.arguments))]
+
+
+def test_the_default_model_keeps_example_json_as_text(default_client):
+    question = [{"role": "user", "content": "Show me an example JSON object with a name and an age"}]
+    choice = _ask(default_client, question)
+    assert not choice.message.tool_calls and '"age"' in choice.message.content
+    calls, text, _ = _ask(default_client, question, stream=True)
+    assert not calls and text == choice.message.content
