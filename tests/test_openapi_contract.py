@@ -31,7 +31,7 @@ def test_schemathesis_finds_nothing(url, tmp_path):
     env = dict(os.environ, SCHEMATHESIS_HOOKS="schemathesis_hooks", SPECDECODE_TEST_MODEL=MODEL,
                PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([st, "run", f"{url}/openapi.json", "--checks", "all", "--phases", "examples,fuzzing",
-                        "--max-examples", "6", "--max-time", "45", "--seed", "62", "--workers", "1",
+                        "--max-examples", "6", "--max-time", "30", "--seed", "62", "--workers", "1",
                         "--request-timeout", "60", "--no-shrink", "--report-dir", str(tmp_path)],
                        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     out = r.stdout + r.stderr
