@@ -344,7 +344,7 @@ def test_gguf_gives_transformers_greedy_tokens(fam, models, gguf_files, hf, llm_
 def test_gguf_expert_layouts_and_quantized_experts(models, tmp_path, one_thread):
     """Older Mixtral files with one tensor per expert read as the stacked ones do; Q8_0 experts split from their
     3-D stack are exactly the gguf package's dequantization of each expert's slice, and under
-    quantization="mixed" (Q8_0 -> w8a8) run exactly under speculation."""
+    quantization="mixed" (Q8_0 blocks kept as stored, the q8_0 format) run exactly under speculation."""
     import gguf
 
     from specdecode.models.gguf_loader import read_gguf
@@ -367,7 +367,7 @@ def test_gguf_expert_layouts_and_quantized_experts(models, tmp_path, one_thread)
             whole[f"blk.{layer}.ffn_{proj}_exps.weight"][e])))
     g.close()
     model = load_model(path, "float32", "cpu", 64, "mixed").model
-    assert model.layers[0].moe.experts[1].gate_up_proj.packed.fmt == "w8a8"
+    assert model.layers[0].moe.experts[1].gate_up_proj.packed.fmt == "q8_0"
     prompts = [REPEAT] + PROMPTS
     plain = LLM(str(path), max_model_len=128, quantization="mixed", speculative_config={"method": "none"})
     want = ours(plain, prompts)
