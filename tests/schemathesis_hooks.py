@@ -68,6 +68,16 @@ def _valid(body: dict[str, Any], path: str) -> dict[str, Any]:
     if path.startswith("/v1/messages") and isinstance(messages, list) and messages and \
             isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
         messages.append({"role": "user", "content": "hi"})  # a final assistant message is a text-only prefill
+    if path.startswith("/v1/messages") and isinstance(messages, list):
+        # Anthropic's block placement: tool_use blocks only in assistant turns, tool_result blocks only in user ones
+        misplaced = {"user": "tool_use", "assistant": "tool_result"}
+        for message in messages:
+            if isinstance(message, dict) and isinstance(message.get("content"), list):
+                wrong = misplaced.get(message.get("role"))
+                kept = [b for b in message["content"] if not (isinstance(b, dict) and b.get("type") == wrong)]
+                # and a user turn's tool results come before its text
+                kept.sort(key=lambda b: not (isinstance(b, dict) and b.get("type") == "tool_result"))
+                message["content"] = kept or "hi"
     for item in body.get("input") if isinstance(body.get("input"), list) else []:
         if isinstance(item, dict) and item.get("type") == "function_call":
             item["arguments"] = "{}"  # a call's arguments are a JSON object, in a string

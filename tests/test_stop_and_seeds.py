@@ -29,9 +29,9 @@ def _step_chunks(llm, prompt, **params) -> list[list[int]]:
     eng = llm.engine
     orig = eng._commit
 
-    def spy(r, tokens, logits):
+    def spy(r, tokens, *rest):
         before = r.num_output_tokens
-        orig(r, tokens, logits)
+        orig(r, tokens, *rest)
         chunks.append(r.output_token_ids[before:])
 
     eng._commit = spy

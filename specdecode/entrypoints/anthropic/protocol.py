@@ -168,7 +168,7 @@ class _Conversation(_Body):
 class MessagesRequest(_Conversation):
     """POST /v1/messages."""
     max_tokens: int = Field(ge=1)
-    stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    stop_sequences: list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=MAX_STOP_STRINGS)
     stream: bool = False
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: float | None = None
