@@ -151,20 +151,22 @@ def test_huge_prompt_is_rejected_fast_without_stalling_streams(tiny_models):
     still generating, and they see no gap near 2 s; a prompt under the body limit but too long for the context
     is refused before it is tokenized."""
     port = _free_port()
+    # Streams long enough (900 tokens each) that a loaded machine still answers both refusals inside them.
     proc = subprocess.Popen(_server_cmd("--model", str(tiny_models["llama"]), "--speculative-model", "[ngram]",
                                         "--num-speculative-tokens", "3", "--port", str(port), "--max-model-len",
-                                        str(MAX_LEN), "--served-model-name", MODEL),
+                                        "1024", "--served-model-name", MODEL),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
+    payloads = [(json.dumps({"model": MODEL, "prompt": "ab" * n * 1024 * 1024, "max_tokens": 4}).encode(), status)
+                for n, status in ((10, 413), (2, 400))]
     try:
         _wait_healthy(proc, url)
         gaps: list[float] = []
         with ThreadPoolExecutor(3) as pool, httpx.Client(timeout=60) as h:
             started = [threading.Event() for _ in range(2)]
-            futs = [pool.submit(_stream_tokens, url, f"story {i}", 400, gaps, e) for i, e in enumerate(started)]
+            futs = [pool.submit(_stream_tokens, url, f"story {i}", 900, gaps, e) for i, e in enumerate(started)]
             assert all(e.wait(120) for e in started)
-            for prompt, status in (("ab" * 10 * 1024 * 1024, 413), ("ab" * 2 * 1024 * 1024, 400)):
-                payload = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 4}).encode()
+            for payload, status in payloads:
                 r = h.post(f"{url}/v1/completions", content=payload, headers={"content-type": "application/json"})
                 _err(r, status)
                 # Answered within the streams' run, not after it: measured against the engine's own pace on
