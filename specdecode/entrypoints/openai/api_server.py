@@ -258,8 +258,8 @@ def run_server(args: argparse.Namespace, model: str | None, engine: AsyncLLMEngi
     if threading.current_thread() is threading.main_thread():
         # uvicorn handles SIGINT/SIGTERM itself (stop accepting, let in-flight requests finish, lifespan
         # shutdown stops the engine) and then re-raises the signal to the previous handler: make that a
-        # clean exit instead of a death by signal.
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        # return from server.run instead of a death by signal.
+        signal.signal(signal.SIGTERM, lambda *_: None)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:
