@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from specdecode.structured.json_calls import JsonCallParser, json_call, schema_problem
+from specdecode.entrypoints.openai.protocol import ChatMessage
+from specdecode.structured.json_calls import (JsonCallParser, answered_calls, json_call, repeats_answered_call,
+                                               schema_problem)
 from specdecode.structured.tools import get_tool_parser
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -75,6 +77,27 @@ def test_tags_still_win():
     assert len(got_calls) == 1
 
 
+def _conversation(*tail: dict) -> list[ChatMessage]:
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    head = [{"role": "user", "content": "What is the weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]}]
+    return [ChatMessage.model_validate(m) for m in head + list(tail)]
+
+
+def test_only_a_bare_repeat_of_a_call_just_answered_counts_as_a_repeat():
+    result = {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"}
+    answered = answered_calls(_conversation(result))
+    assert answered == [("get_weather", {"city": "Paris"})]
+    for text in (CALL, f"```json\n{CALL}\n```", '{"arguments": {"city": "Paris"}, "name": "get_weather"}'):
+        assert repeats_answered_call(text, SCHEMAS, answered)
+    for text in ('{"name": "get_weather", "arguments": {"city": "Lyon"}}', "It is 18 degrees and sunny.",
+                 f"<tool_call>\n{CALL}\n</tool_call>"):
+        assert not repeats_answered_call(text, SCHEMAS, answered)
+    # a call is answered only while nothing but its results follows it
+    assert answered_calls(_conversation()) == []
+    assert answered_calls(_conversation(result, {"role": "user", "content": "And in Lyon?"})) == []
+
+
 def test_schema_problems_are_named():
     assert schema_problem(WEATHER) is None
     assert "nonsense" in schema_problem({"type": "nonsense"})
@@ -122,6 +145,24 @@ def test_the_default_model_calls_a_tool_under_auto(default_client):
     assert finish == "tool_calls" and text == ""
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
         [(call.function.name, json.loads(call.function.arguments))]
+
+
+def test_a_two_turn_tool_loop_ends_in_an_answer_from_the_result(default_client):
+    """Qwen2.5-Coder 1.5B calls get_weather again after its result; the server answers that turn again with the
+    tools left out (serving_chat.UnlessRepeated), and the answer uses the result, plain and streamed."""
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    (call,) = _ask(default_client, question).message.tool_calls
+    loop = question + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function",
+             "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id,
+         "content": '{"city": "Paris", "temperature_c": 18, "conditions": "sunny"}'}]
+    choice = _ask(default_client, loop)
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls
+    assert "18" in choice.message.content and "sunny" in choice.message.content
+    calls, text, finish = _ask(default_client, loop, stream=True)
+    assert not calls and finish == "stop" and text == choice.message.content
 
 
 def test_the_default_model_keeps_example_json_as_text(default_client):

@@ -87,6 +87,30 @@ def json_call(text: str, tools: dict[str, dict[str, Any] | None]) -> dict[str, A
     return _new_call(name, arguments)
 
 
+def answered_calls(messages: list[Any]) -> list[tuple[str, Any]]:
+    """(name, arguments) of each call of the conversation's last assistant message when only tool results follow
+    it: the calls whose results the model is about to read. ``messages``: chat messages (role, tool_calls)."""
+    tail = len(messages)
+    while tail and messages[tail - 1].role == "tool":
+        tail -= 1
+    if tail in (0, len(messages)) or messages[tail - 1].role != "assistant":
+        return []
+    answered = []
+    for c in messages[tail - 1].tool_calls or []:
+        try:
+            answered.append((c.function.name, json.loads(c.function.arguments)))
+        except ValueError:
+            pass
+    return answered
+
+
+def repeats_answered_call(text: str, tools: dict[str, dict[str, Any] | None],
+                          answered: list[tuple[str, Any]]) -> bool:
+    """Whether ``text`` is a bare JSON call (:func:`json_call`) identical to one of the ``answered`` calls."""
+    call = json_call(text, tools)
+    return call is not None and (call["function"]["name"], json.loads(call["function"]["arguments"])) in answered
+
+
 _NAME_VALUE = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 _KEY_HEAD = re.compile(r'\{\s*"((?:[^"\\]|\\.)*)"')
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import bisect
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -21,7 +21,8 @@ from specdecode.entrypoints.openai.serving_engine import (OpenAIServing, Streame
                                                           stop_hold, usage_of)
 from specdecode.outputs import CompletionOutput, RequestOutput
 from specdecode.sampling_params import SamplingParams
-from specdecode.structured.json_calls import JsonCallParser
+from specdecode.structured.json_calls import (JsonCallParser, answered_calls, could_become_call,
+                                               repeats_answered_call)
 from specdecode.structured.tools import ToolParser, get_tool_parser
 
 
@@ -45,8 +46,17 @@ class OpenAIServingChat(OpenAIServing):
         prompt = await run_in_threadpool(self.chat_prompt, body)  # templating is CPU work: off the event loop
         if max_tokens_param == "max_tokens" and body.max_completion_tokens is not None:
             max_tokens_param = "max_completion_tokens"
-        return model, params, await self.start(rid, [(prompt, None)], params, "messages",
-                                               max_tokens_param=max_tokens_param)
+        streams = await self.start(rid, [(prompt, None)], params, "messages", max_tokens_param=max_tokens_param)
+        answered = answered_calls(body.messages) if body.tool_mode == "auto" and body.n == 1 else []
+        if answered:
+            async def again() -> RequestStream:
+                quiet = body.model_copy(update={"tool_choice": "none"})
+                _, fresh = await self.prepare(quiet)  # a request's parameters are its own (the engine fills them)
+                prompt = await run_in_threadpool(self.chat_prompt, quiet)
+                return (await self.start(f"{rid}-r", [(prompt, None)], fresh, "messages",
+                                         max_tokens_param=max_tokens_param))[0]
+            streams = [UnlessRepeated(streams[0], body.tool_dicts(), answered, again)]
+        return model, params, streams
 
     def tool_parser(self, body: ChatCompletionRequest) -> ToolParser | None:
         """A fresh parser for one reply's tool calls (None when the request has no tools in play). Under "auto"
@@ -140,6 +150,46 @@ class OpenAIServingChat(OpenAIServing):
         # usage (and the spec-decode summary) goes in a chunk of its own, only when asked for (OpenAI, vLLM)
         if body.include_usage and final is not None:
             yield chunk([], usage=usage_of([final]), spec_decode=spec_of([final]))
+
+
+class UnlessRepeated:
+    """One reply's stream, answered again with tools off when it turns out to repeat a call just answered.
+
+    Small models that write bare JSON calls (json_calls.py) often call the same tool again after its result,
+    so an agent's tool loop never ends; with the tools left out of the prompt they answer from the result. The
+    rule only takes a bare JSON reply identical (name and arguments) to a call of the last assistant message
+    whose results follow it: a model using its tool-call tags, or calling anything else, is passed through. The
+    reply is held while it could still become a call (the chat parser holds it then anyway), so nothing of it
+    has been sent when the second request (``again()``) starts. Same sampling parameters: as exact as any
+    request."""
+
+    def __init__(self, first: RequestStream, tools: list[dict[str, Any]], answered: list[tuple[str, Any]],
+                 again: Callable[[], Awaitable[RequestStream]]):
+        self._streams = [first]
+        self.request_id = first.request_id
+        self._tools = {t["function"]["name"]: t["function"].get("parameters") for t in tools}
+        self._answered, self._again = answered, again
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._outputs()
+
+    async def _outputs(self) -> AsyncIterator[RequestOutput]:
+        deciding = True
+        async for out in self._streams[0]:
+            text = out.outputs[0].text
+            if deciding and not out.finished and could_become_call(text, self._tools):
+                continue  # outputs are cumulative: the next one carries this one's text
+            if deciding and out.finished and repeats_answered_call(text, self._tools, self._answered):
+                self._streams.append(await self._again())
+                async for again in self._streams[1]:
+                    yield again
+                return
+            deciding = False
+            yield out
+
+    def close(self) -> None:
+        for s in self._streams:
+            s.close()
 
 
 def origin_pieces(c: CompletionOutput, start: int, end: int) -> list[dict[str, str]]:
