@@ -11,7 +11,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from specdecode.models.default_models import DEFAULT_MODELS, cache_dir  # noqa: E402
 from tiny import FAMILIES, build_model  # noqa: E402
 
-USER_CACHE = cache_dir()
+# Under pytest-xdist the controller makes the session's cache and its workers (started with its environment)
+# share it, so that the default pair is converted once per run, not once per worker.
+USER_CACHE = Path(os.environ.get("SPECDECODE_TEST_USER_CACHE") or cache_dir())
 
 
 def _session_cache(user: Path) -> Path:
@@ -20,8 +22,11 @@ def _session_cache(user: Path) -> Path:
     the user's cache. The default pair is the exception: its GGUF files are links to the user's cache, where they
     are assembled once as ``specdecode generate`` would, and the user's packed entries and tokenizers of that pair
     are linked in so that a session reads them instead of converting the pair again."""
+    if os.environ.get("SPECDECODE_TEST_SESSION_CACHE"):  # an xdist worker: the controller's
+        return Path(os.environ["SPECDECODE_TEST_SESSION_CACHE"])
     session = Path(tempfile.mkdtemp(prefix="specdecode-tests-"))
     atexit.register(shutil.rmtree, session, ignore_errors=True)
+    os.environ["SPECDECODE_TEST_SESSION_CACHE"], os.environ["SPECDECODE_TEST_USER_CACHE"] = str(session), str(user)
     for spec in DEFAULT_MODELS.values():
         (session / spec.filename).symlink_to(user / spec.filename)
         stem = spec.filename.removesuffix(".gguf")
@@ -34,6 +39,12 @@ def _session_cache(user: Path) -> Path:
 
 SESSION_CACHE = _session_cache(USER_CACHE)
 os.environ["SPECDECODE_CACHE"] = str(SESSION_CACHE)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers share two cores: in-process torch work takes one thread each, since two 2-thread pools on two
+    # cores spin against each other (tests that check other thread counts set their own).
+    import torch
+
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

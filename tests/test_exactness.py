@@ -163,7 +163,7 @@ def test_quantized_speculative_greedy_equals_plain(quantization, proposer, llm_c
     import torch
 
     fam = "qwen2"
-    with_threads = min(2, torch.get_num_threads())
+    with_threads = 2
     prev = torch.get_num_threads()
     torch.set_num_threads(with_threads)
     try:

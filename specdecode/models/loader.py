@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import sys
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -122,7 +123,7 @@ def load_model(path: Path, dtype: str, device: str, max_model_len: int | None,
     final = pc.entry_path(path, key)
     entry = pc.open_entry(final, key)
     if entry is None:
-        entry = _convert_and_store(path, dtype, device, max_model_len, quantization, final, key, fmt)
+        entry = _convert_once(path, dtype, device, max_model_len, quantization, final, key, fmt)
         if isinstance(entry, LoadedModel):  # the cache could not be written: use the in-memory model
             return entry
     try:
@@ -133,6 +134,24 @@ def load_model(path: Path, dtype: str, device: str, max_model_len: int | None,
         pc._unlink(entry.path)
         del entry
         return load_model(path, dtype, device, max_model_len, quantization, packed_cache=False)
+
+
+def _convert_once(path: Path, dtype: str, device: str, max_model_len: int | None, quantization: str | None,
+                  final: Path, key: dict, fmt: str) -> "pc.Entry | LoadedModel":
+    """Convert and store under a lock beside the entry: processes that start together (servers, test workers)
+    convert a model once, and those that waited map what the first one wrote."""
+    from specdecode.models.default_models import _file_lock
+
+    with ExitStack() as stack:
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            stack.enter_context(_file_lock(final.with_name(final.name + ".lock")))
+        except (OSError, ValueError):
+            pass  # an unwritable cache folder: _convert_and_store says so and goes on without the cache
+        entry = pc.open_entry(final, key)
+        if entry is not None:
+            return entry
+        return _convert_and_store(path, dtype, device, max_model_len, quantization, final, key, fmt)
 
 
 def _convert_and_store(path: Path, dtype: str, device: str, max_model_len: int | None, quantization: str | None,
