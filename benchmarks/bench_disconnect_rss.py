@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import contextlib
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "benchmarks")]
-from bench_serving import BUILTIN_PROMPTS, free_port  # noqa: E402
+from bench_serving import BUILTIN_PROMPTS, launch_process  # noqa: E402
 
 
 def rss_mib(pid: int) -> float:
@@ -75,20 +74,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("serve_args", nargs="*", help="after --: arguments of specdecode serve")
     args = ap.parse_args()
-    port = free_port()
-    cmd = [sys.executable, "-m", "specdecode", "serve", "--port", str(port), *args.serve_args]
-    print(f"# starting: {' '.join(cmd)}", file=sys.stderr, flush=True)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
     rng = random.Random(args.seed)
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"server exited with code {proc.returncode} during start-up")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.5)
+    with launch_process(args.serve_args, 900, [sys.executable, "-m", "specdecode", "serve"]) as (url, proc):
         before = rss_mib(proc.pid)
         print(f"{'storm':>5} {'chunks':>7} {'seconds':>8} {'RSS MiB':>8} {'delta':>7}")
         print(f"{0:>5} {'':>7} {'':>8} {before:8.1f} {'':>7}")
@@ -108,13 +95,6 @@ def main() -> None:
                 at_half = now
         print(f"# {last - before:+.1f} MiB over {args.storms} storms, {last - at_half:+.1f} MiB over the last "
               f"{args.storms - half}")
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 if __name__ == "__main__":

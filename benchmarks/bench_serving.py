@@ -190,6 +190,13 @@ def free_port() -> int:
 def launch(server_args: list[str], startup_timeout: float, command: list[str] | None = None):
     """Start a server (``command``, by default our OpenAI server module, plus --port and ``server_args``), wait
     until /health answers, yield its URL, and stop it afterwards."""
+    with launch_process(server_args, startup_timeout, command) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def launch_process(server_args: list[str], startup_timeout: float, command: list[str] | None = None):
+    """``launch``, yielding (URL, the server's process)."""
     port = free_port()
     base = command or [sys.executable, "-m", "specdecode.entrypoints.openai.api_server"]
     cmd = [*base, "--port", str(port), *server_args]
@@ -207,7 +214,7 @@ def launch(server_args: list[str], startup_timeout: float, command: list[str] | 
             if time.time() > deadline:
                 raise SystemExit("server did not become healthy in time")
             time.sleep(0.5)
-        yield url
+        yield url, proc
     finally:
         proc.terminate()
         try:
