@@ -8,9 +8,11 @@ For each cache (``--dtypes``, default ``auto`` = float16 on CPU, and ``int8``) o
   prefills it (its time is reported as prefill s) and leaves it in the prefix cache, then --gen tokens are
   generated with speculation off, and (for the dtypes in --spec-dtypes) once more with the default
   speculation; decode tok/s = (tokens - 1) / (finish - first token) of each request;
-* quality: the same model in a fresh runner over --quality-len tokens of the text; at --windows evenly spread
-  depths it keeps the next-token distributions of --rows consecutive positions. Against the first dtype's
-  (the reference) it reports top-1 agreement and mean KL(reference || this) in nats.
+* quality: one more load of the target, one runner (cache) per dtype over --quality-len tokens of the text;
+  at --windows evenly spread depths it keeps the next-token distributions of --rows consecutive positions.
+  Against the first dtype's (the reference) it reports top-1 agreement and mean KL(reference || this) in
+  nats. Then it times --steps single-row decode steps of the bare model at that context, the dtypes
+  interleaved (decode_step_ms_at_<quality-len>): the cache's own effect on a step, without the engine.
 
 Prints one JSON object. Greedy outputs of the plain runs are compared too (same_output_as_ref).
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import statistics
 import time
 from types import SimpleNamespace
 
@@ -57,15 +60,24 @@ def _speed(llm, ids: list[int], gen: int, spec: bool) -> dict:
     return res, list(out.outputs[0].token_ids)
 
 
-def _distributions(llm, dtype: str, ids: list[int], windows: int, rows: int) -> torch.Tensor:
-    """log-softmax [windows * rows, V] of the next-token logits at `windows` depths of ids, a fresh runner on
-    the LLM's target model with a cache of `dtype` (the LLM is not usable afterwards: the model's layers are
-    bound to the new cache)."""
+def _runner(model, hf_config, dtype: str, max_len: int):
     from specdecode.engine.model_runner import ModelRunner
 
-    t = llm.llm_engine.target
-    runner = ModelRunner(SimpleNamespace(model=t.model, hf_config=t.hf_config), 1, len(ids) + 16, "cpu",
-                         kv_cache_dtype=dtype)
+    return ModelRunner(SimpleNamespace(model=model, hf_config=hf_config), 1, max_len, "cpu", kv_cache_dtype=dtype)
+
+
+def _bind(runner) -> None:
+    """Point the model's attention layers at this runner's cache (several runners share one model here)."""
+    from specdecode.layers.attention import Attention
+
+    for i, m in enumerate(m for m in runner.model.modules() if isinstance(m, Attention)):
+        m.bind_kv_cache(runner.kv_cache, i)
+
+
+def _distributions(runner, ids: list[int], windows: int, rows: int) -> torch.Tensor:
+    """log-softmax [windows * rows, V] of the next-token logits at `windows` evenly spread depths of ids; the
+    runner's cache then holds all of ids."""
+    _bind(runner)
     n = len(ids)
     starts = [int((i + 1) * (n - rows) / windows) for i in range(windows)]
     out, cur = [], 0
@@ -75,7 +87,25 @@ def _distributions(llm, dtype: str, ids: list[int], windows: int, rows: int) -> 
         logits = runner.prefill_many([(0, s, ids[s:s + rows])], all_logits=[True])[0]
         out.append(torch.log_softmax(logits.float(), -1))
         cur = s + rows
+    if cur < n:
+        runner.prefill(0, ids[cur:n], start=cur)
     return torch.cat(out)
+
+
+def _step_times(runners: dict, n: int, steps: int) -> dict:
+    """Median ms of a single-row decode step at position n (the model step alone, no engine around it), the
+    runners' steps interleaved so that load from other processes hits every cache alike. Each step rewrites
+    the same position, as a rolled-back draft would."""
+    times: dict = {d: [] for d in runners}
+    for i in range(steps + 1):  # the first round is a warm-up
+        for d, r in runners.items():
+            _bind(r)
+            r.model._layer_stack()  # rebuilt for the newly bound cache here, outside the timed step
+            t0 = time.perf_counter()
+            r.forward_rows([(0, n, [13])], all_logits=False)
+            if i:
+                times[d].append(time.perf_counter() - t0)
+    return {d: round(1e3 * statistics.median(t), 1) for d, t in times.items()}
 
 
 def main() -> None:
@@ -89,51 +119,63 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--source", default="argparse", help="stdlib module whose source is the text")
+    ap.add_argument("--steps", type=int, default=10, help="decode steps timed after the quality text")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from specdecode import LLM
+    from specdecode import LLM, SamplingParams
 
     res: dict = {"model": args.model, "ctx": args.ctx, "gen": args.gen, "quality_len": args.quality_len,
                  "threads": torch.get_num_threads(), "runs": {}}
-    ref_lp = ref_out = None
-    for dtype in args.dtypes:
+    ref_out = None
+    for dtype in args.dtypes if args.ctx else []:
         r: dict = {}
         t0 = time.perf_counter()
         llm = LLM(model=args.model, kv_cache_dtype=dtype, max_num_seqs=1, seed=0,
-                  max_model_len=max(args.ctx, args.quality_len) + args.gen + 64)
+                  max_model_len=args.ctx + args.gen + 64)
         r["load_s"] = round(time.perf_counter() - t0, 1)
         kv = llm.llm_engine.target.kv_cache
         r["target_kv_bytes_per_token"] = kv.bytes_per_token
-        tok = llm.get_tokenizer()
-        if args.ctx:
-            ids = _text_ids(tok, args.ctx, args.source)
-            from specdecode import SamplingParams
-            t0 = time.perf_counter()
-            llm.generate(prompt_token_ids=[ids], use_tqdm=False,
-                         sampling_params=SamplingParams(max_tokens=1, temperature=0.0, speculative_decoding=False))
-            r["prefill_s"] = round(time.perf_counter() - t0, 1)
-            r["plain"], out = _speed(llm, ids, args.gen, spec=False)
-            if ref_out is None:
-                ref_out = out
-            r["plain"]["same_output_as_ref"] = out == ref_out
-            if dtype in args.spec_dtypes:
-                r["speculative"], spec_out = _speed(llm, ids, args.gen, spec=True)
-                r["speculative"]["same_output_as_plain"] = spec_out == out
-        if args.quality_len:
-            lp = _distributions(llm, dtype, _text_ids(tok, args.quality_len, args.source), args.windows, args.rows)
-            if ref_lp is None:
-                ref_lp = lp
-            else:
-                kl = (ref_lp.exp() * (ref_lp - lp)).sum(-1)
-                r["quality_vs_ref"] = {"positions": lp.shape[0],
-                                       "top1_agreement": round((lp.argmax(-1) == ref_lp.argmax(-1)).float().mean().item(), 4),
-                                       "mean_kl_nats": float(f"{kl.mean().item():.3g}"),
-                                       "max_kl_nats": float(f"{kl.max().item():.3g}")}
+        ids = _text_ids(llm.get_tokenizer(), args.ctx, args.source)
+        t0 = time.perf_counter()
+        llm.generate(prompt_token_ids=[ids], use_tqdm=False,
+                     sampling_params=SamplingParams(max_tokens=1, temperature=0.0, speculative_decoding=False))
+        r["prefill_s"] = round(time.perf_counter() - t0, 1)
+        r["plain"], out = _speed(llm, ids, args.gen, spec=False)
+        if ref_out is None:
+            ref_out = out
+        r["plain"]["same_output_as_ref"] = out == ref_out
+        if dtype in args.spec_dtypes:
+            r["speculative"], spec_out = _speed(llm, ids, args.gen, spec=True)
+            r["speculative"]["same_output_as_plain"] = spec_out == out
         res["runs"][dtype] = r
         print(json.dumps({dtype: r}), flush=True)
         del llm
+    if args.quality_len:
+        # One model, one runner (cache) per dtype: the same weights and text for every cache.
+        llm = LLM(model=args.model, max_num_seqs=1, seed=0, max_model_len=args.quality_len + 64,
+                  speculative_config={"method": "none"})
+        t = llm.llm_engine.target
+        ids = _text_ids(llm.get_tokenizer(), args.quality_len, args.source)
+        runners = {d: _runner(t.model, t.hf_config, d, args.quality_len + 16) for d in args.dtypes}
+        lps = {}
+        for d, runner in runners.items():
+            t0 = time.perf_counter()
+            lps[d] = _distributions(runner, ids, args.windows, args.rows)
+            res["runs"].setdefault(d, {})["quality_prefill_s"] = round(time.perf_counter() - t0, 1)
+        ref_lp = lps[args.dtypes[0]]
+        for d in args.dtypes[1:]:
+            lp = lps[d]
+            kl = (ref_lp.exp() * (ref_lp - lp)).sum(-1)
+            res["runs"][d]["quality_vs_ref"] = {
+                "positions": lp.shape[0], "text_tokens": args.quality_len,
+                "top1_agreement": round((lp.argmax(-1) == ref_lp.argmax(-1)).float().mean().item(), 4),
+                "mean_kl_nats": float(f"{kl.mean().item():.3g}"), "median_kl_nats": float(f"{kl.median().item():.3g}"),
+                "max_kl_nats": float(f"{kl.max().item():.3g}")}
+        if args.steps:
+            for d, ms in _step_times(runners, args.quality_len, args.steps).items():
+                res["runs"][d][f"decode_step_ms_at_{args.quality_len}"] = ms
     print(json.dumps(res))
 
 

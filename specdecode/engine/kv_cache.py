@@ -252,10 +252,14 @@ class KVCache:
             ks, vs = self._key_scales[layer], self._value_scales[layer]
             ksb = ks[first:first + n] if ids is None else ks[ids]
             vsb = vs[first:first + n] if ids is None else vs[ids]
-            # int8 -> fp32 is exact, so the product is the only rounding; then the caller's dtype (a no-op for
-            # fp32, the usual CPU case).
-            k.copy_(kb.permute(1, 0, 3, 2).float() * ksb.permute(1, 0, 2)[..., None])
-            v.copy_(vb.permute(1, 0, 2, 3).float() * vsb.permute(1, 0, 2)[..., None])
+            # int8 -> fp32 is exact (type promotion widens q before the multiply), so the product is the only
+            # rounding; narrowed afterwards where the caller wants another dtype.
+            for out, q, sc in ((k, kb.permute(1, 0, 3, 2), ksb), (v, vb.permute(1, 0, 2, 3), vsb)):
+                sc = sc.permute(1, 0, 2)[..., None]
+                if dtype is torch.float32:
+                    torch.mul(q, sc, out=out)
+                else:
+                    out.copy_(q.float() * sc)
         else:
             k.copy_(kb.permute(1, 0, 3, 2))
             v.copy_(vb.permute(1, 0, 2, 3))
