@@ -229,8 +229,9 @@ OPTIONS: tuple[Option, ...] = (
            flags=("--quantization", "-q")),
     Option("dtype", "float weight dtype (auto: float32 on CPU, bfloat16 on a GPU)", parse=choice(*DTYPES),
            choices=DTYPES, default="auto", flags=("--dtype",)),
-    Option("kv_cache_dtype", "KV cache dtype: auto (16-bit on CPU, the model's dtype elsewhere), float16, bfloat16 "
-           "or float32", default="auto", flags=("--kv-cache-dtype",), bench=False),
+    Option("kv_cache_dtype", "KV cache dtype: auto (16-bit on CPU, the model's dtype elsewhere), float16, bfloat16, "
+           "float32, or int8 (alias q8_0: 8-bit values with a scale per position and KV head, about half the "
+           "memory of 16-bit)", default="auto", flags=("--kv-cache-dtype",), bench=False),
     Option("max_model_len", "context length, prompt + output", parse=int_at_least(2),
            default="the model's trained context (32768 for the default pair)", kwargs=("context_length",),
            flags=("--max-model-len", "--context-length", "-c", "--ctx-size"), metavar="N"),

@@ -513,14 +513,15 @@ def test_kv_cache_narrowing_matches_torch():
     _assert_kv_store_matches_torch(extension._ext)
 
 
-def _stack_logits(path) -> torch.Tensor:
-    """Verification rows through the C++ stack over a 16-bit cache (two requests, one crossing blocks, with more
-    keys than one vector of scores)."""
+def _stack_logits(path, kv_cache_dtype: str = "auto") -> torch.Tensor:
+    """Verification rows through the C++ stack over a 16-bit (or int8) cache (two requests, one crossing blocks,
+    with more keys than one vector of scores)."""
     from specdecode.engine.model_runner import ModelRunner
     from specdecode.models.loader import load_model
 
-    r = ModelRunner(load_model(path, "float32", "cpu", 64, "w8a8"), 2, 64, "cpu")
-    assert r.model._layer_stack() is not None and r.kv_cache.dtype == torch.float16
+    r = ModelRunner(load_model(path, "float32", "cpu", 64, "w8a8"), 2, 64, "cpu", kv_cache_dtype=kv_cache_dtype)
+    want = torch.int8 if kv_cache_dtype == "int8" else torch.float16
+    assert r.model._layer_stack() is not None and r.kv_cache.dtype == want
     ids = torch.randint(5, 500, (50,), generator=torch.Generator().manual_seed(1)).tolist()
     r.prefill(0, ids[:37])
     r.prefill(1, ids[:5])
@@ -531,7 +532,8 @@ def test_integer_instruction_sets_agree_bitwise(tmp_path, tiny_models):
     """The AVX-512 VNNI, AVX2 and portable paths compute the same integer lanes and the same float
     epilogue, so a model gives the same tokens on any x86 CPU. Builds the kernel with the wider
     instruction sets switched off and compares against the default build. The decoder stack over a 16-bit
-    KV cache (F16C conversions, or the portable ones without it) agrees bitwise too."""
+    KV cache (F16C conversions, or the portable ones without it) and over an int8 one (AVX2 or scalar
+    quantize / dequantize) agrees bitwise too."""
     from torch.utils import cpp_extension
 
     from tiny import build_model
@@ -560,7 +562,8 @@ def test_integer_instruction_sets_agree_bitwise(tmp_path, tiny_models):
     cases += [(p, x[:n], b) for p, x, b in list(cases) for n in (1, 2)]
     expected = [kernels.rowinv_linear(x, p, b) for p, x, b in cases]
     models = [tiny_models["qwen3"], build_model("qwen2", tmp_path / "head64", layers=1, hidden=256)]  # D 32, 64
-    expected_stack = [_stack_logits(m) for m in models]
+    stack_cases = [(m, dt) for m in models for dt in ("auto", "int8")]
+    expected_stack = [_stack_logits(m, dt) for m, dt in stack_cases]
     saved = extension._ext
     try:
         for name, flags in variants.items():
@@ -573,8 +576,8 @@ def test_integer_instruction_sets_agree_bitwise(tmp_path, tiny_models):
             for (p, x, b), want in zip(cases, expected):
                 assert torch.equal(kernels.rowinv_linear(x, p, b), want), f"{name} differs from {saved.isa()}"
             _assert_kv_store_matches_torch(mod)
-            for m, want in zip(models, expected_stack):
-                assert torch.equal(_stack_logits(m), want), f"decoder stack: {name} differs from {saved.isa()}"
+            for (m, dt), want in zip(stack_cases, expected_stack):
+                assert torch.equal(_stack_logits(m, dt), want), f"decoder stack ({dt}): {name} differs from {saved.isa()}"
     finally:
         extension._ext = saved
 

@@ -197,4 +197,4 @@ def test_kv_cache_repr_and_sizes():
     assert kv.bytes_per_token == 28672 and kv.nbytes == 4096 * 28672
     assert "28672 B/token" in repr(kv)
     with pytest.raises(ValueError, match="not supported on CPU"):
-        KVCache(1, 1, 16, 1, 8, torch.int8, "cpu")
+        KVCache(1, 1, 16, 1, 8, torch.int16, "cpu")

@@ -19,8 +19,8 @@ from specdecode.models.loader import LoadedModel
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, max_num_seqs: int, max_model_len: int, device: str,
                  kv_cache_dtype: str = "auto", pool: BlockPool | None = None, draft: bool = False):
-        """kv_cache_dtype: "auto" (16-bit on CPU, the model dtype elsewhere), "float16", "bfloat16" or
-        "float32" (see engine.kv_cache). pool: the blocks to use (shared with another runner), or None for
+        """kv_cache_dtype: "auto" (16-bit on CPU, the model dtype elsewhere), "float16", "bfloat16",
+        "float32" or "int8" (see engine.kv_cache). pool: the blocks to use (shared with another runner), or None for
         a pool of this runner's own with room for max_num_seqs sequences of max_model_len. draft: a draft
         model's runner, whose cache follows the pool's draft table (a slot's bounded draft window)."""
         self.model = loaded.model

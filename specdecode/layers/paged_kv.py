@@ -37,3 +37,7 @@ class PagedKVCache(Protocol):
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's raw storage (keys, values), for the C++ layer stack (models.model)."""
         ...
+
+    def scales(self, i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer i's per-position scales (keys', values') of an int8 cache, None for a float one."""
+        ...

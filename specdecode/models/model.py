@@ -66,6 +66,12 @@ class ModelArgs:
     moe: MoEArgs | None = None              # mixtures of experts (layers.moe): the MLP of its sparse layers
 
 
+def _scales(cache, i: int) -> dict:
+    """Layer i's int8 scales for kernels.LayerStack (key_scales / value_scales), none for a float cache."""
+    scales = cache.scales(i)
+    return {} if scales is None else {"key_scales": scales[0], "value_scales": scales[1]}
+
+
 def _rows_dynamic(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Mark the row dimension (only that one) as dynamic for torch.compile: one graph for any row count."""
     for t in ts:
@@ -230,6 +236,7 @@ class CausalLM(nn.Module):
                 [dict(attn_norm=L.attn_norm.weight, mlp_norm=L.mlp_norm.weight,
                       q_norm=L.q_norm.weight if a.qk_norm else None, k_norm=L.k_norm.weight if a.qk_norm else None,
                       keys=cache.layer(i)[0], values=cache.layer(i)[1],
+                      **_scales(cache, i),
                       qkv=(L.qkv_proj.packed, L.qkv_proj.bias), o=(L.o_proj.packed, L.o_proj.bias),
                       gate_up=(L.gate_up_proj.packed, L.gate_up_proj.bias),
                       down=(L.down_proj.packed, L.down_proj.bias)) for i, L in enumerate(self.layers)],

@@ -8,9 +8,9 @@ import torch
 
 from specdecode.layers.kernels.extension import _get_ext
 
-_LAYER_FIELDS = 6 + 4 * 7  # csrc/layer_stack.h: kLayerFields
+_LAYER_FIELDS = 8 + 4 * 7  # csrc/layer_stack.h: kLayerFields
 KEY_TILE = 16  # csrc/layer_stack.h: kKeyTile, the positions per KV cache block (layers.paged_kv.BLOCK_SIZE)
-KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # csrc/layer_stack.h: KvFmt
+KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}  # csrc/layer_stack.h: KvFmt
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -29,7 +29,8 @@ class LayerStack:
 
     ``layers``: per layer a dict with ``attn_norm``, ``mlp_norm``, ``q_norm`` / ``k_norm`` (or None), ``keys``
     ([num_blocks, KV, D, KEY_TILE]) and ``values`` ([num_blocks, KV, KEY_TILE, D]), the layer's KV cache blocks
-    (engine.kv_cache.KVCache.layer) in float32, float16 or bfloat16, and ``qkv`` / ``o`` / ``gate_up`` / ``down``
+    (engine.kv_cache.KVCache.layer) in float32, float16, bfloat16 or int8 (then also ``key_scales`` and
+    ``value_scales``, [num_blocks, KV, KEY_TILE] float32: KVCache.scales), and ``qkv`` / ``o`` / ``gate_up`` / ``down``
     as (PackedLinear, bias or None). ``block_table`` ([slots, blocks_per_slot] int64) maps a slot's positions
     to blocks; it is read at every call, so it may be refilled in place."""
 
@@ -43,7 +44,7 @@ class LayerStack:
                              f"covering max_len={max_len} positions")
         kv_dtype = layers[0]["keys"].dtype if layers else torch.float32
         if kv_dtype not in KV_DTYPES:
-            raise ValueError(f"LayerStack: KV cache dtype {kv_dtype} is not one of float32, float16, bfloat16")
+            raise ValueError(f"LayerStack: KV cache dtype {kv_dtype} is not one of float32, float16, bfloat16, int8")
         num_blocks = layers[0]["keys"].shape[0] if layers else 1
         rows = []
         for L in layers:
@@ -53,10 +54,16 @@ class LayerStack:
                 if (tuple(t.shape) != want[name] or t.dtype is not kv_dtype or not t.is_cpu
                         or not t.is_contiguous()):
                     raise ValueError(f"LayerStack: {name} must be a contiguous {kv_dtype} CPU tensor {list(want[name])}")
+            scales = [L.get("key_scales"), L.get("value_scales")] if kv_dtype is torch.int8 else [None, None]
+            for name, t in zip(("key_scales", "value_scales"), scales):
+                if kv_dtype is torch.int8 and (t is None or tuple(t.shape) != (num_blocks, kv_heads, KEY_TILE)):
+                    raise ValueError(f"LayerStack: an int8 cache needs {name} [{num_blocks}, {kv_heads}, {KEY_TILE}]")
+                if t is not None:
+                    _f32(t, name)
             row = [_ptr(_f32(L["attn_norm"], "attn_norm")), _ptr(_f32(L["mlp_norm"], "mlp_norm")),
                    *(0 if L[n] is None else _ptr(_f32(L[n], n)) for n in ("q_norm", "k_norm")),
-                   _ptr(keys), _ptr(values)]
-            keep += [L[k] for k in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "keys", "values")]
+                   _ptr(keys), _ptr(values), *(_ptr(t) for t in scales)]
+            keep += [L[k] for k in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "keys", "values")] + scales
             for name in ("qkv", "o", "gate_up", "down"):
                 packed, bias = L[name]
                 wptr, ldw, code, scale_t = packed._kernel_args()

@@ -3,7 +3,8 @@
 // multiply and per add (the file is built with -ffp-contract=off), so a row's result does not depend on
 // which other queries or keys share a tile, nor on the vector width the compiler picks. 16-bit caches are
 // widened to fp32 (exactly) one tile at a time, so a row's arithmetic is that of an fp32 cache holding the
-// same values.
+// same values. An int8 cache is dequantized the same way, one tile at a time, as float(q) * scale (one rounding,
+// the product engine/kv_cache.py's read computes), so a row sees the same fp32 keys and values on either path.
 #include "fast_exp.h"
 #include "layer_stack.h"
 
@@ -38,6 +39,41 @@ static void kv_load(int fmt, const void* base, int64_t i, int64_t n, float* out)
       const uint32_t u = static_cast<uint32_t>(h[j]) << 16;
       std::memcpy(out + j, &u, sizeof(float));
     }
+  }
+}
+
+// One block's int8 keys ([D, kKeyTile], position j in lane j) as fp32: element (d, j) = float(q) * s[j].
+// int8 -> float is exact and the product is one IEEE multiply in either branch, so both give the same bits.
+static void load_key_tile_i8(const int8_t* q, const float* s, int64_t D, float* out) {
+  int64_t d = 0;
+#if SPECDECODE_AVX2
+  const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
+  for (; d < D; ++d) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + d * kKeyTile));
+    const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+    _mm256_storeu_ps(out + d * kKeyTile, _mm256_mul_ps(lo, s0));
+    _mm256_storeu_ps(out + d * kKeyTile + 8, _mm256_mul_ps(hi, s1));
+  }
+#endif
+  for (; d < D; ++d)
+    for (int64_t j = 0; j < kKeyTile; ++j) out[d * kKeyTile + j] = static_cast<float>(q[d * kKeyTile + j]) * s[j];
+}
+
+// The first `rows` positions of one block's int8 values ([kKeyTile, D]) as fp32: row j is float(q) * s[j].
+static void load_value_rows_i8(const int8_t* q, const float* s, int64_t rows, int64_t D, float* out) {
+  for (int64_t j = 0; j < rows; ++j) {
+    const int8_t* qj = q + j * D;
+    float* o = out + j * D;
+    int64_t d = 0;
+#if SPECDECODE_AVX2
+    const __m256 sj = _mm256_set1_ps(s[j]);
+    for (; d + 8 <= D; d += 8) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qj + d));
+      _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), sj));
+    }
+#endif
+    for (; d < D; ++d) o[d] = static_cast<float>(qj[d]) * s[j];
   }
 }
 
@@ -210,9 +246,11 @@ void attend_rows(const LayerDesc& L, const StackDims& g, const float* qkv, int64
   for (int64_t j0 = 0; j0 < len; j0 += kKeyTile) {
     while (first < n && lens[first] <= j0) ++first;
     const int64_t jt = std::min(kKeyTile, len - j0);
-    const int64_t at = g.at(g.block(slot, j0), kv);
+    const int64_t blk = g.block(slot, j0), at = g.at(blk, kv);
     const float* tile = key_tile;
     if (g.kv_fmt == kKvF32) tile = static_cast<const float*>(L.keys) + at;
+    else if (g.kv_fmt == kKvI8)
+      load_key_tile_i8(static_cast<const int8_t*>(L.keys) + at, L.key_scales + g.scale_at(blk, kv), D, key_tile);
     else kv_load(g.kv_fmt, L.keys, at, D * kKeyTile, key_tile);
     float* out[4];
     int64_t i = first;
@@ -238,9 +276,13 @@ void attend_rows(const LayerDesc& L, const StackDims& g, const float* qkv, int64
   std::fill(acc, acc + n * D, 0.0f);
   for (int64_t j0 = 0; j0 < len; j0 += kValueTile) {
     const int64_t jend = std::min(j0 + kValueTile, len);
-    for (int64_t b0 = j0; b0 < jend; b0 += kKeyTile)
-      kv_load(g.kv_fmt, L.values, g.at(g.block(slot, b0), kv), std::min(kKeyTile, jend - b0) * D,
-              val_tile + (b0 - j0) * D);
+    for (int64_t b0 = j0; b0 < jend; b0 += kKeyTile) {  // b0 is a block's first position
+      const int64_t blk = g.block(slot, b0), rows = std::min(kKeyTile, jend - b0);
+      if (g.kv_fmt == kKvI8)
+        load_value_rows_i8(static_cast<const int8_t*>(L.values) + g.at(blk, kv), L.value_scales + g.scale_at(blk, kv),
+                           rows, D, val_tile + (b0 - j0) * D);
+      else kv_load(g.kv_fmt, L.values, g.at(blk, kv), rows * D, val_tile + (b0 - j0) * D);
+    }
     for (int64_t i = 0; i < n;) {
       const int64_t j1 = std::min(j0 + kValueTile, lens[i]);
       const bool pair = i + 1 < n && lens[i + 1] == lens[i] && (D == 128 || D == 64);

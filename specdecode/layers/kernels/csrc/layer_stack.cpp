@@ -56,6 +56,23 @@ static inline void kv_put(int fmt, void* base, int64_t i, float f) {
   }
 }
 
+// x[0..D) as int8 at q[0], q[stride], ... and its scale at *s (KvFmt kKvI8): engine/kv_cache.py's
+// quantize_int8 operation for operation (exact absmax, one fp32 division for the scale, one per value, round to
+// nearest even in the default rounding mode), so the stack and the Python path store the same bytes. An
+// all-zero row stores scale 0 and zeros. (NaN rows are not matched: torch's absmax propagates a NaN, this one
+// skips it.)
+static inline void quantize_row(const float* x, int64_t D, int8_t* q, int64_t stride, float* s) {
+  float amax = 0.0f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+  const float scale = amax / 127.0f;
+  const float div = scale > 0.0f ? scale : 1.0f;
+  for (int64_t d = 0; d < D; ++d) {
+    const float r = std::min(127.0f, std::max(-127.0f, std::nearbyint(x[d] / div)));
+    q[d * stride] = static_cast<int8_t>(r);
+  }
+  *s = scale;
+}
+
 // Sum of a[i] * b[i] in 8 interleaved partial sums and one fixed pairwise reduction.
 static inline float dot(const float* a, const float* b, int64_t n) {
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -118,6 +135,13 @@ static void layer_forward(const LayerDesc& L, const StackDims& g, float* x, int6
     const int64_t blk = g.block(slot[m], pos[m]), off = pos[m] % kKeyTile;
     for (int64_t kv = 0; kv < KV; ++kv) {  // all rows' keys first: later rows of a request attend to them
       const int64_t at = g.at(blk, kv);
+      if (g.kv_fmt == kKvI8) {
+        const int64_t sa = g.scale_at(blk, kv) + off;
+        quantize_row(row + (H + kv) * D, D, static_cast<int8_t*>(L.keys) + at + off, kKeyTile, L.key_scales + sa);
+        quantize_row(row + (H + KV + kv) * D, D, static_cast<int8_t*>(L.values) + at + off * D, 1,
+                     L.value_scales + sa);
+        continue;
+      }
       for (int64_t d = 0; d < D; ++d) {
         kv_put(g.kv_fmt, L.keys, at + d * kKeyTile + off, row[(H + kv) * D + d]);
         kv_put(g.kv_fmt, L.values, at + off * D + d, row[(H + KV + kv) * D + d]);
@@ -178,7 +202,7 @@ PyObject* py_decoder_layers(PyObject*, PyObject* args) {
   if (tp == 0 || nl < 0 || xp == 0 || M < 0 || pp == 0 || sp == 0 || cp == 0 || snp == 0 || hidden <= 0 ||
       H <= 0 || KV <= 0 || H % KV != 0 || D <= 0 || D % 2 != 0 || D > 512 || I <= 0 || max_len > npos)
     err = "bad dimensions";
-  if (!err && (kv_fmt < kKvF32 || kv_fmt > kKvBF16 || btp == 0 || bps * kKeyTile < max_len || nblocks <= 0))
+  if (!err && (kv_fmt < kKvF32 || kv_fmt > kKvI8 || btp == 0 || bps * kKeyTile < max_len || nblocks <= 0))
     err = "bad KV cache description";
   for (int64_t m = 0; !err && m < M; ++m)
     if (pos[m] < 0 || pos[m] >= max_len || slot[m] < 0 || slot[m] >= slots) err = "position or slot out of range";
@@ -194,6 +218,7 @@ PyObject* py_decoder_layers(PyObject*, PyObject* args) {
                  L.gate_up.K != hidden || L.gate_up.N != 2 * I || L.down.K != I || L.down.N != hidden ||
                  !L.attn_norm || !L.mlp_norm || !L.keys || !L.values || (!L.q_norm != !L.k_norm)))
       err = "layer table does not match the dimensions";
+    if (!err && kv_fmt == kKvI8 && (!L.key_scales || !L.value_scales)) err = "int8 KV cache without scales";
     layers.push_back(L);
   }
   if (err) {
