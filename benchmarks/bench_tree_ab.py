@@ -19,6 +19,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path[:0] = [str(Path(__file__).resolve().parent)]
+from bench_default import PROMPTS  # noqa: E402
+
 CHILD = r'''
 import json, sys, time, warnings
 warnings.filterwarnings("ignore")
@@ -36,10 +39,7 @@ for p in prompts:
 print(json.dumps({"tok_s": n / (time.perf_counter() - t), "texts": texts}))
 '''
 
-QUESTIONS = ["Write a Python function that checks whether a string is a palindrome, with tests.",
-             "Explain the difference between a process and a thread in three paragraphs.",
-             "List the planets of the solar system with one fact each.",
-             "Write a bash script that renames every .txt file in a folder to .md."]
+QUESTIONS = [*PROMPTS, "Write a bash script that renames every .txt file in a folder to .md."]
 
 
 def run(tree: Path, max_tokens: int) -> dict:

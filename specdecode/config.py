@@ -316,7 +316,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int | None = None  # None: engine.scheduler.DEFAULT_BATCHED_TOKENS
     kv_cache_memory: float | None = None  # GiB; None: room for max_num_seqs x max_model_len
-    kv_cache_dtype: str = "auto"  # vLLM's name: "auto" (16-bit on CPU, the model dtype elsewhere), float16, bfloat16, float32, int8 (q8_0)
+    # vLLM's name: "auto" (16-bit on CPU, the model dtype elsewhere), float16, bfloat16, float32, int8 (q8_0)
+    kv_cache_dtype: str = "auto"
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:

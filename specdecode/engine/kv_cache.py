@@ -114,7 +114,7 @@ class KVCache:
     def __init__(self, num_layers: int, num_slots: int, max_model_len: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, pool: BlockPool | None = None,
                  draft: bool = False):
-        if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.int8) and torch.device(device).type == "cpu":
+        if torch.device(device).type == "cpu" and dtype not in set(KV_CACHE_DTYPES.values()) - {None}:
             raise ValueError(f"KV cache dtype {dtype} is not supported on CPU (float16, bfloat16, float32 or int8).")
         self.device = torch.device(device)
         self.dtype = dtype

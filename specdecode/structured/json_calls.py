@@ -68,6 +68,11 @@ def _unfence(text: str) -> str | None:
     return inner.rstrip()[:-len(_FENCE_CLOSE)]
 
 
+def tool_schemas(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any] | None]:
+    """name -> parameters schema of each tool of a request (``tools`` as the chat template takes them)."""
+    return {t["function"]["name"]: t["function"].get("parameters") for t in tools}
+
+
 def json_call(text: str, tools: dict[str, dict[str, Any] | None]) -> dict[str, Any] | None:
     """The call ``text`` makes when it is exactly one JSON object naming one of ``tools`` (name -> its
     parameters schema) with arguments that fit that schema; None when it is anything else."""
@@ -158,7 +163,7 @@ class JsonCallParser(ToolParser):
         super().__init__(inner.max_calls)
         self.inner = inner
         self.name = inner.name
-        self.tools = {t["function"]["name"]: t["function"].get("parameters") for t in tools}
+        self.tools = tool_schemas(tools)
         self._held = ""
         self._open = True  # still deciding: nothing has been sent yet
 

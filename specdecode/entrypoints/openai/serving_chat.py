@@ -22,7 +22,7 @@ from specdecode.entrypoints.openai.serving_engine import (OpenAIServing, Streame
 from specdecode.outputs import CompletionOutput, RequestOutput
 from specdecode.sampling_params import SamplingParams
 from specdecode.structured.json_calls import (JsonCallParser, answered_calls, could_become_call,
-                                               repeats_answered_call)
+                                               repeats_answered_call, tool_schemas)
 from specdecode.structured.tools import ToolParser, get_tool_parser
 
 
@@ -167,7 +167,7 @@ class UnlessRepeated:
                  again: Callable[[], Awaitable[RequestStream]]):
         self._streams = [first]
         self.request_id = first.request_id
-        self._tools = {t["function"]["name"]: t["function"].get("parameters") for t in tools}
+        self._tools = tool_schemas(tools)
         self._answered, self._again = answered, again
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
