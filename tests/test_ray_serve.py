@@ -285,7 +285,9 @@ def test_unrelated_prompts_use_both_replicas(ray_client):
 def test_busy_owner_spills_to_the_other_replica(ray_app):
     """More concurrent requests with one prefix than the owner holds (max_ongoing_requests = max_num_seqs = 4):
     the rest go to the other replica instead of queueing behind the owner."""
-    body = {"model": MODEL, "prompt": SHARED + " Spill?", "max_tokens": 48, "temperature": 0,
+    # long enough that all eight overlap even when the machine is loaded (a CI worker beside this one): a
+    # request that ends before the fifth one is routed frees its slot at the owner and nothing spills
+    body = {"model": MODEL, "prompt": SHARED + " Spill?", "max_tokens": 384, "temperature": 0,
             "ignore_eos": True}
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         rs = list(pool.map(lambda _: httpx.post(f"{ray_app.url}/v1/completions", json=body, timeout=120), range(8)))
