@@ -1,7 +1,8 @@
-// Attention of decode / verification rows. Every score is q . k summed over d = 0..D-1 in order, every
-// output element sum_j p_j * v_j[d] in key order, and the softmax total in key order: one rounding per
-// multiply and per add (the file is built with -ffp-contract=off), so a row's result does not depend on
-// which other queries or keys share a tile, nor on the vector width the compiler picks. 16-bit caches are
+// Attention of decode / verification rows. Every score is q . k as a chain of fmas over d = 0..D-1 in order,
+// every output element sum_j p_j * v_j[d] a chain of fmas in key order, and the softmax total a sum in key
+// order: fma rounds once wherever it runs (an instruction, or fmaf in the portable build) and nothing else is
+// contracted (the file is built with -ffp-contract=off), so a row's result does not depend on which other
+// queries or keys share a tile, nor on the vector width. 16-bit caches are
 // widened to fp32 (exactly) one tile at a time, so a row's arithmetic is that of an fp32 cache holding the
 // same values. An int8 cache is dequantized the same way, one tile at a time, as float(q) * scale (one rounding,
 // the product engine/kv_cache.py's read computes), so a row sees the same fp32 keys and values on either path.
@@ -87,14 +88,6 @@ static inline void exp_shifted(const float* x, float sub, float* y, int64_t n) {
   for (; i < n; ++i) y[i] = fast_exp(x[i] - sub);
 }
 
-typedef float V16 __attribute__((vector_size(kKeyTile * sizeof(float))));
-static inline V16 load16(const float* p) {
-  V16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-constexpr int64_t kValueTile = 32;
-
 // max(s[0], ..., s[n - 1]) as the scalar loop mx = s[0]; mx = std::max(mx, s[j]) gives it (max is exact, so
 // the order does not matter; a NaN is skipped unless it is s[0], and then the result is NaN as well). Eight
 // lanes at a time: one scalar chain of dependent compares was the largest single cost of a long prompt's
@@ -137,75 +130,123 @@ static void row_totals(float* const* s, const int64_t* lens, int64_t n, float* t
   }
 }
 
-// acc[a][jj] = sum_d q[a][d] * kt[d][jj] for NQ queries against one tile of kKeyTile transposed keys
-// ([D, kKeyTile]): the NQ x kKeyTile independent sums keep the vector units busy where one dot product at a
-// time would wait on its own additions.
-#if SPECDECODE_AVX2 && !defined(__AVX512F__)
-// AVX2 without AVX-512: the same sums as the generic version below, lane for lane (a product, then a sum, each
-// rounded once), in pairs of 8-lane registers. GCC lowers a 16-lane vector type on AVX2 by moving every
-// accumulator through the stack and general registers at each step, which made this loop most of a
-// verification's attention time.
-template <int NQ>
-static inline void score_tile(const float* const* q, const float* kt, int64_t D, float scale, int64_t jt,
-                              float* const* out) {
-  __m256 lo[NQ], hi[NQ];
-  for (int a = 0; a < NQ; ++a) lo[a] = hi[a] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; ++d) {
-    const __m256 k0 = _mm256_loadu_ps(kt + d * kKeyTile), k1 = _mm256_loadu_ps(kt + d * kKeyTile + 8);
-    for (int a = 0; a < NQ; ++a) {
-      const __m256 qa = _mm256_set1_ps(q[a][d]);
-      lo[a] = _mm256_add_ps(lo[a], _mm256_mul_ps(qa, k0));
-      hi[a] = _mm256_add_ps(hi[a], _mm256_mul_ps(qa, k1));
-    }
-  }
-  for (int a = 0; a < NQ; ++a) {
-    alignas(32) float t[kKeyTile];
-    _mm256_store_ps(t, lo[a]);
-    _mm256_store_ps(t + 8, hi[a]);
-    for (int64_t jj = 0; jj < jt; ++jj) out[a][jj] = t[jj] * scale;
-  }
-}
+// One vector of float lanes and the four operations the score and value loops need. fma rounds a * b + c once
+// on every path (an instruction where there is one, fmaf in the portable build), so the lanes of each width
+// give the same bits.
+#if defined(__AVX512F__)
+typedef __m512 VF;
+constexpr int kLanes = 16;
+static inline VF vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float* p, VF v) { _mm512_storeu_ps(p, v); }
+static inline VF vset1(float x) { return _mm512_set1_ps(x); }
+static inline VF vfma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+#elif SPECDECODE_AVX2
+typedef __m256 VF;
+constexpr int kLanes = 8;
+static inline VF vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline void vstore(float* p, VF v) { _mm256_storeu_ps(p, v); }
+static inline VF vset1(float x) { return _mm256_set1_ps(x); }
+static inline VF vfma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
 #else
+typedef float VF;
+constexpr int kLanes = 1;
+static inline VF vload(const float* p) { return *p; }
+static inline void vstore(float* p, VF v) { *p = v; }
+static inline VF vset1(float x) { return x; }
+static inline VF vfma(VF a, VF b, VF c) { return __builtin_fmaf(a, b, c); }
+#endif
+constexpr int kTileVecs = kKeyTile / kLanes;  // vectors per score tile row
+// Register blocking (a row's arithmetic is the same in any block): enough independent fma chains to cover the
+// fma latency on two ports, and no more accumulators than the register file holds (32 vectors with AVX-512,
+// 16 with AVX2).
+constexpr int kScoreRows = kLanes == 16 ? 8 : 4;
+constexpr int kValueCols = kLanes == 16 ? 128 : kLanes == 8 ? 32 : 16;
+constexpr int kValueRows = 2;
+constexpr int64_t kValueTile = 32;
+
+// out[a][jj] = (sum_d q[a][d] * kt[d][jj]) * scale for NQ queries against one tile of kKeyTile transposed keys
+// ([D, kKeyTile]), the sum a chain of fmas from d = 0 up: the NQ x kKeyTile independent chains keep the fma units
+// busy where one dot product at a time would wait on its own additions.
 template <int NQ>
 static inline void score_tile(const float* const* q, const float* kt, int64_t D, float scale, int64_t jt,
                               float* const* out) {
-  // GCC vector types: the sums stay in registers (as plain arrays they were kept on the stack), and
-  // element-wise arithmetic is the same IEEE operation per lane whatever vector width the target has.
-  V16 acc[NQ];
-  for (int a = 0; a < NQ; ++a) acc[a] = V16{};
+  // One flat array of accumulators: GCC 12 kept one of a two-level array's vectors in memory across the loop,
+  // a store and a reload in every fma chain step.
+  VF acc[NQ * kTileVecs];
+#pragma GCC unroll 16
+  for (int i = 0; i < NQ * kTileVecs; ++i) acc[i] = vset1(0.0f);
   for (int64_t d = 0; d < D; ++d) {
-    const V16 k = load16(kt + d * kKeyTile);
-    for (int a = 0; a < NQ; ++a) acc[a] += q[a][d] * k;
+    const float* kd = kt + d * kKeyTile;
+#pragma GCC unroll 8
+    for (int a = 0; a < NQ; ++a) {
+      const VF qa = vset1(q[a][d]);
+#pragma GCC unroll 16
+      for (int c = 0; c < kTileVecs; ++c) acc[a * kTileVecs + c] = vfma(qa, vload(kd + c * kLanes), acc[a * kTileVecs + c]);
+    }
   }
-  for (int a = 0; a < NQ; ++a) {
-    float t[kKeyTile];
-    std::memcpy(t, &acc[a], sizeof(t));
-    for (int64_t jj = 0; jj < jt; ++jj) out[a][jj] = t[jj] * scale;
+  // Unrolled, so that every index into acc is a constant and the array lives in registers only.
+  alignas(64) float t[NQ][kKeyTile];
+#pragma GCC unroll 8
+  for (int a = 0; a < NQ; ++a)
+#pragma GCC unroll 16
+    for (int c = 0; c < kTileVecs; ++c) vstore(t[a] + c * kLanes, acc[a * kTileVecs + c]);
+  for (int a = 0; a < NQ; ++a)
+    for (int64_t jj = 0; jj < jt; ++jj) out[a][jj] = t[a][jj] * scale;
+}
+
+// Scores of query rows [i, n) against one key tile, kScoreRows rows at a time.
+static inline void score_rows(float* const* srow, const float* const* q, int64_t i, int64_t n, int64_t j0,
+                              const float* kt, int64_t D, float scale, int64_t jt) {
+  float* out[kScoreRows];
+  for (; i + kScoreRows <= n; i += kScoreRows) {
+    for (int a = 0; a < kScoreRows; ++a) out[a] = srow[i + a] + j0;
+    score_tile<kScoreRows>(q + i, kt, D, scale, jt, out);
+  }
+  for (int a = 0; i + a < n; ++a) out[a] = srow[i + a] + j0;
+  switch (n - i) {
+    case 7: if constexpr (kScoreRows > 7) score_tile<7>(q + i, kt, D, scale, jt, out); break;
+    case 6: if constexpr (kScoreRows > 6) score_tile<6>(q + i, kt, D, scale, jt, out); break;
+    case 5: if constexpr (kScoreRows > 5) score_tile<5>(q + i, kt, D, scale, jt, out); break;
+    case 4: if constexpr (kScoreRows > 4) score_tile<4>(q + i, kt, D, scale, jt, out); break;
+    case 3: score_tile<3>(q + i, kt, D, scale, jt, out); break;
+    case 2: score_tile<2>(q + i, kt, D, scale, jt, out); break;
+    case 1: score_tile<1>(q + i, kt, D, scale, jt, out); break;
+    default: break;
   }
 }
-#endif
 
-// acc[a][d] += sum_j p[a][j] * v_j[d] over keys [j0, j1) in key order, for NQ queries that all see those keys;
-// vals holds v_j0, v_j0+1, ... DT = D known at compile time keeps the running sums in registers for the tile.
-template <int DT, int NQ>
-static inline void weighted_sum(float* const* p, int64_t j0, int64_t j1, const float* vals, float* const* acc) {
-  float s[NQ][DT];
+// acc[a][c0 + d] = fma(p[a][j], v_j[c0 + d], acc[a][c0 + d]) over keys [j0, j1) in key order, for NQ queries that
+// all see those keys and the CW columns from c0 (a multiple of kLanes); vals holds v_j0, v_j0+1, ... in rows of
+// D. The CW x NQ running sums stay in registers for the tile.
+template <int CW, int NQ>
+static inline void weighted_cols(float* const* p, int64_t j0, int64_t j1, const float* vals, int64_t D, int64_t c0,
+                                 float* const* acc) {
+  constexpr int NV = CW / kLanes;
+  VF s[NQ][NV];
   for (int a = 0; a < NQ; ++a)
-    for (int64_t d = 0; d < DT; ++d) s[a][d] = acc[a][d];
+    for (int c = 0; c < NV; ++c) s[a][c] = vload(acc[a] + c0 + c * kLanes);
   for (int64_t j = j0; j < j1; ++j) {
-    const float* v = vals + (j - j0) * DT;
+    const float* v = vals + (j - j0) * D + c0;
     for (int a = 0; a < NQ; ++a) {
-      const float e = p[a][j];
-      for (int64_t d = 0; d < DT; ++d) s[a][d] += e * v[d];
+      const VF e = vset1(p[a][j]);
+      for (int c = 0; c < NV; ++c) s[a][c] = vfma(e, vload(v + c * kLanes), s[a][c]);
     }
   }
   for (int a = 0; a < NQ; ++a)
-    for (int64_t d = 0; d < DT; ++d) acc[a][d] = s[a][d];
+    for (int c = 0; c < NV; ++c) vstore(acc[a] + c0 + c * kLanes, s[a][c]);
 }
 
-static void weighted_sum_any(const float* p, int64_t j0, int64_t j1, const float* vals, int64_t D, float* acc) {
-  for (int64_t j = j0; j < j1; ++j)
-    for (int64_t d = 0; d < D; ++d) acc[d] += p[j] * vals[(j - j0) * D + d];
+// Every column of NQ queries' sums over keys [j0, j1): blocks of kValueCols columns, then single vectors, then
+// the columns past the last whole vector one at a time (each element's chain is the same in any of them).
+template <int NQ>
+static inline void weighted_sum(float* const* p, int64_t j0, int64_t j1, const float* vals, int64_t D,
+                                float* const* acc) {
+  int64_t c0 = 0;
+  for (; c0 + kValueCols <= D; c0 += kValueCols) weighted_cols<kValueCols, NQ>(p, j0, j1, vals, D, c0, acc);
+  for (; c0 + kLanes <= D; c0 += kLanes) weighted_cols<kLanes, NQ>(p, j0, j1, vals, D, c0, acc);
+  for (; c0 < D; ++c0)
+    for (int a = 0; a < NQ; ++a)
+      for (int64_t j = j0; j < j1; ++j) acc[a][c0] = __builtin_fmaf(p[a][j], vals[(j - j0) * D + c0], acc[a][c0]);
 }
 
 }  // namespace
@@ -252,16 +293,7 @@ void attend_rows(const LayerDesc& L, const StackDims& g, const float* qkv, int64
     else if (g.kv_fmt == kKvI8)
       load_key_tile_i8(static_cast<const int8_t*>(L.keys) + at, L.key_scales + g.scale_at(blk, kv), D, key_tile);
     else kv_load(g.kv_fmt, L.keys, at, D * kKeyTile, key_tile);
-    float* out[4];
-    int64_t i = first;
-    for (; i + 4 <= n; i += 4) {
-      for (int a = 0; a < 4; ++a) out[a] = srow[i + a] + j0;
-      score_tile<4>(q.data() + i, tile, D, g.scale, jt, out);
-    }
-    for (int a = 0; i + a < n; ++a) out[a] = srow[i + a] + j0;
-    if (n - i == 3) score_tile<3>(q.data() + i, tile, D, g.scale, jt, out);
-    else if (n - i == 2) score_tile<2>(q.data() + i, tile, D, g.scale, jt, out);
-    else if (n - i == 1) score_tile<1>(q.data() + i, tile, D, g.scale, jt, out);
+    score_rows(srow.data(), q.data(), first, n, j0, tile, D, g.scale, jt);
   }
   for (int64_t i = 0; i < n; ++i) {  // softmax numerators; keys past a row's own position are never read
     float* s = srow[i];
@@ -285,13 +317,10 @@ void attend_rows(const LayerDesc& L, const StackDims& g, const float* qkv, int64
     }
     for (int64_t i = 0; i < n;) {
       const int64_t j1 = std::min(j0 + kValueTile, lens[i]);
-      const bool pair = i + 1 < n && lens[i + 1] == lens[i] && (D == 128 || D == 64);
+      const bool pair = i + 1 < n && lens[i + 1] == lens[i];
       if (j1 > j0) {
-        if (D == 128 && pair) weighted_sum<128, 2>(&srow[i], j0, j1, val_tile, &arow[i]);
-        else if (D == 128) weighted_sum<128, 1>(&srow[i], j0, j1, val_tile, &arow[i]);
-        else if (D == 64 && pair) weighted_sum<64, 2>(&srow[i], j0, j1, val_tile, &arow[i]);
-        else if (D == 64) weighted_sum<64, 1>(&srow[i], j0, j1, val_tile, &arow[i]);
-        else weighted_sum_any(srow[i], j0, j1, val_tile, D, arow[i]);
+        if (pair) weighted_sum<kValueRows>(&srow[i], j0, j1, val_tile, D, &arow[i]);
+        else weighted_sum<1>(&srow[i], j0, j1, val_tile, D, &arow[i]);
       }
       i += pair ? 2 : 1;
     }

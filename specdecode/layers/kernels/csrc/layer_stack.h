@@ -46,8 +46,9 @@ struct StackDims {
 
 // Scores one attention call keeps (floats), and the fewest query rows it takes: a long prompt's rows are cut
 // into pieces of about kScoreBudget / length rows, so that their scores stay in L2 between the score, softmax
-// and value passes.
-constexpr int64_t kScoreBudget = 1 << 16, kMinQueryPiece = 32;
+// and value passes. Past 2k positions the floor decides: each piece widens every key and value tile again, so
+// fewer, larger pieces (scores in L3) cost less than pieces sized for L2 (docs/long_context.md).
+constexpr int64_t kScoreBudget = 1 << 16, kMinQueryPiece = 192;
 
 // Attention of query rows [i0, i1) of one request's stretch of rows from m0 against one KV head (attention.cpp).
 void attend_rows(const LayerDesc& L, const StackDims& g, const float* qkv, int64_t nqkv, const int64_t* pos,
