@@ -132,3 +132,20 @@ def test_long_context_bench_rows_per_length(tiny_models, tiny_draft, tmp_path, c
         assert "--lengths applies to --dataset long" in capsys.readouterr().err
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("chars_per_token", [2.5, 4.5])
+def test_long_context_prompts_fill_their_length(chars_per_token):
+    """Each document is cut to its length by the counter it is given, whatever the text's characters per token
+    (source code runs 3 to 4.5 with real tokenizers): it fills the length but for the margin, never more."""
+    from specdecode.bench.datasets import _LONG_MARGIN, long_context_dataset
+
+    def count(text: str) -> int:
+        return int(len(text) / chars_per_token)
+
+    lengths = [2048, 16384]
+    ds = long_context_dataset(lengths, count, per_length=2)
+    assert [p.category for p in ds.prompts] == ["2k", "2k", "16k", "16k"]
+    for p in ds.prompts:
+        n = {"2k": 2048, "16k": 16384}[p.category]
+        assert n - _LONG_MARGIN - 2 <= count(p.text) <= n - _LONG_MARGIN, (p.id, count(p.text))

@@ -302,8 +302,9 @@ def long_context_dataset(lengths: list[int], count_tokens, per_length: int = 1,
             start = (j * 7 + n // 1024) % len(files)  # a different document per prompt, fixed per length
             lines: list[str] = []
             i = 0
-            # whole files until the budget is passed (estimated at 3 characters a token), then cut to fit
-            while sum(map(len, lines)) < 3 * n and i < len(files):
+            # whole files until the budget is surely passed (source code runs 3 to 4.5 characters a token, so
+            # 6 is more than enough), then cut to fit
+            while sum(map(len, lines)) < 6 * n and i < len(files):
                 path = files[(start + i) % len(files)]
                 lines += [f"# ---- file: {path.name}\n"] + path.read_text(errors="replace").splitlines(True)
                 i += 1
