@@ -165,6 +165,12 @@ def start(quiet: Callable[[], bool], settle: float = 0.5) -> threading.Thread | 
 
     def run() -> None:
         since = None  # when the current quiet stretch began (None: not quiet now)
+        # The lowest CPU priority for this thread alone: "quiet" is this process's engine; another process's
+        # (a second server on the same cores, as in a side-by-side benchmark) must not lose a core to the copy.
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (OSError, AttributeError):
+            pass
         try:
             for mapping, lo, hi in work:
                 for at, size in pieces(mapping, lo, hi):
