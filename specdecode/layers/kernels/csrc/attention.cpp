@@ -160,8 +160,7 @@ constexpr int kTileVecs = kKeyTile / kLanes;  // vectors per score tile row
 // fma latency on two ports, and no more accumulators than the register file holds (32 vectors with AVX-512,
 // 16 with AVX2).
 constexpr int kScoreRows = kLanes == 16 ? 8 : 4;
-constexpr int kValueCols = kLanes == 16 ? 128 : kLanes == 8 ? 32 : 16;
-constexpr int kValueRows = 2;
+constexpr int kValueCols = kLanes == 16 ? 128 : kLanes == 8 ? 32 : 16;  // per pass of the value loop, 2 rows
 constexpr int64_t kValueTile = 32;
 
 // out[a][jj] = (sum_d q[a][d] * kt[d][jj]) * scale for NQ queries against one tile of kKeyTile transposed keys
@@ -319,7 +318,7 @@ void attend_rows(const LayerDesc& L, const StackDims& g, const float* qkv, int64
       const int64_t j1 = std::min(j0 + kValueTile, lens[i]);
       const bool pair = i + 1 < n && lens[i + 1] == lens[i];
       if (j1 > j0) {
-        if (pair) weighted_sum<kValueRows>(&srow[i], j0, j1, val_tile, D, &arow[i]);
+        if (pair) weighted_sum<2>(&srow[i], j0, j1, val_tile, D, &arow[i]);
         else weighted_sum<1>(&srow[i], j0, j1, val_tile, D, &arow[i]);
       }
       i += pair ? 2 : 1;

@@ -45,9 +45,10 @@ struct StackDims {
 };
 
 // Scores one attention call keeps (floats), and the fewest query rows it takes: a long prompt's rows are cut
-// into pieces of about kScoreBudget / length rows, so that their scores stay in L2 between the score, softmax
-// and value passes. Past 2k positions the floor decides: each piece widens every key and value tile again, so
-// fewer, larger pieces (scores in L3) cost less than pieces sized for L2 (docs/long_context.md).
+// into pieces of kScoreBudget / length rows but at least kMinQueryPiece. Below about 340 positions the budget
+// decides and a piece's scores stay in L2 between the score, softmax and value passes; beyond, the floor does:
+// each piece widens every key and value tile again, so fewer, larger pieces (scores in L3) cost less than
+// pieces sized for L2 (docs/long_context.md).
 constexpr int64_t kScoreBudget = 1 << 16, kMinQueryPiece = 192;
 
 // Attention of query rows [i0, i1) of one request's stretch of rows from m0 against one KV head (attention.cpp).
