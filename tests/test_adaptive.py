@@ -342,6 +342,37 @@ def test_hybrid_lookups_go_deeper_than_the_draft_model(one_thread, llm_cache, ti
     assert all(set(calibration_rows(8)) <= set(t) for t in costs.verify.values())
 
 
+def test_a_long_context_is_timed_after_a_repeated_prefill_and_its_memory_given_back(one_thread, llm_cache,
+                                                                                     tiny_models, tiny_draft):
+    """Passes are timed after a short, a middling and a long context: the long one repeats the middling one's
+    prefilled keys (KVCache.repeat), for the target and the draft alike, and the engine then has its whole
+    cache free and decodes as plain does."""
+    from specdecode.speculative.adaptive.calibration import CONTEXTS, _REAL_CONTEXT
+
+    repeats = []
+    from specdecode.engine.kv_cache import KVCache
+    real = KVCache.repeat
+
+    def spy(self, slot, have, end):
+        repeats.append((self.draft, have, end))
+        return real(self, slot, have, end)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(KVCache, "repeat", spy)
+        import specdecode.speculative.adaptive.policy as ad
+        mp.setattr(ad, "_CALIBRATED", {})
+        llm = llm_cache.get(tiny_models["llama"], speculative_model=str(tiny_draft), num_speculative_tokens=3,
+                            speculative_adaptive=True, max_model_len=1024)
+    costs = llm.engine.proposer.costs
+    long = min(CONTEXTS[-1], 1024 - 3 - 2)
+    assert sorted(costs.verify) == [32, _REAL_CONTEXT, long] and sorted(costs.draft_rows) == sorted(costs.verify)
+    assert sorted(repeats) == [(False, _REAL_CONTEXT, long), (True, _REAL_CONTEXT, long)]
+    pool = llm.engine.pool
+    assert pool.num_free_blocks == pool.num_blocks
+    plain = llm_cache.get(tiny_models["llama"], max_model_len=1024)
+    assert gen_ids(llm, PROMPTS, max_tokens=12, **GREEDY) == gen_ids(plain, PROMPTS, max_tokens=12, **GREEDY)
+
+
 def test_calibration_is_kept_on_disk_and_a_broken_cache_is_rebuilt(one_thread, tiny_models, tmp_path, monkeypatch,
                                                                      caplog):
     """The calibration is timed once per setup and read back by later engine starts (the same numbers, no

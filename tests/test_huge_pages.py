@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import time
 
 import torch
@@ -63,17 +64,23 @@ def test_a_moved_range_keeps_its_bytes_and_addresses(tmp_path, monkeypatch):
     assert torch.equal(entry.tensors["small"], torch.arange(10.0))
 
 
-def test_the_move_waits_until_the_engine_is_quiet(tmp_path, monkeypatch):
+def test_the_move_waits_until_the_engine_is_quiet_and_says_when_it_is_done(tmp_path, monkeypatch, caplog):
     entry, w = _entry(tmp_path, monkeypatch)
     huge_pages._quiet_checks.clear()  # engines of earlier tests
     quiet = {"now": False}
-    thread = huge_pages.start(lambda: quiet["now"], settle=0.2)
-    assert thread is not None and not huge_pages._pending
-    time.sleep(0.6)
-    assert _moved_kb(entry) == 0  # busy: still the file's pages
-    quiet["now"] = True
-    thread.join(30)
+    before = huge_pages.pending_bytes()
+    with caplog.at_level(logging.INFO, logger="specdecode"):
+        thread = huge_pages.start(lambda: quiet["now"], settle=0.2)
+        assert thread is not None and not huge_pages._pending
+        time.sleep(0.6)
+        assert _moved_kb(entry) == 0  # busy: still the file's pages
+        assert huge_pages.pending_bytes() - before >= 8 * MB  # and a benchmark can see that the move is to come
+        assert not any("moved onto huge pages" in m for m in caplog.messages)
+        quiet["now"] = True
+        thread.join(30)
     assert not thread.is_alive() and _moved_kb(entry) >= 8 * 1024
+    assert huge_pages.pending_bytes() == before
+    assert any(m.startswith("Weights moved onto huge pages: ") for m in caplog.messages)
     assert torch.equal(entry.tensors["w"], w)
     huge_pages._quiet_checks.clear()
 

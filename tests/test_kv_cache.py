@@ -198,3 +198,35 @@ def test_kv_cache_repr_and_sizes():
     assert "28672 B/token" in repr(kv)
     with pytest.raises(ValueError, match="not supported on CPU"):
         KVCache(1, 1, 16, 1, 8, torch.int16, "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.int8])
+def test_repeat_copies_whole_blocks_and_discard_gives_the_memory_back(dtype):
+    """calibration.py times passes after a long context made by repeating a prefilled one; the memory it took
+    goes back to the system afterwards (a shared anonymous map: MADV_REMOVE, or its pages would stay)."""
+    kv = KVCache(4, 2, 32768, 2, 64, dtype, "cpu")
+    kv.ensure(1, 40)  # another slot's blocks must come through untouched
+    kv.ensure(0, 2 * BLOCK_SIZE)
+    gen = torch.Generator().manual_seed(0)
+    for i in range(4):
+        for t in kv.layer(i):
+            t[:3] = torch.randint(-100, 100, t[:3].shape, generator=gen).to(dtype)
+    other = [t[2].clone() for i in range(4) for t in kv.layer(i)]
+    kv.repeat(0, 2 * BLOCK_SIZE + 5, 30000)  # two whole blocks computed (the partial third is not copied)
+    blocks = kv.pool.blocks(0)
+    assert len(blocks) == -(-30000 // BLOCK_SIZE)
+    for i in range(4):
+        for t in kv.layer(i):
+            assert torch.equal(t[blocks], t[[blocks[j % 2] for j in range(len(blocks))]])
+    assert all(torch.equal(t[2], o) for t, o in zip((t for i in range(4) for t in kv.layer(i)), other))
+
+    def shmem_kb() -> int:  # this process's resident shared memory (the cache's map)
+        return int(open("/proc/self/status").read().split("RssShmem:")[1].split()[0])
+
+    before = shmem_kb()
+    kv.discard(0)
+    assert before - shmem_kb() > 0.5 * len(blocks) * kv.bytes_per_token * BLOCK_SIZE / 1024
+    assert all(not t[blocks[2:-2]].any() for i in range(4) for t in kv.layer(i))  # (reading takes pages again)
+    assert all(torch.equal(t[2], o) for t, o in zip((t for i in range(4) for t in kv.layer(i)), other))
+    with pytest.raises(ValueError, match="whole block"):
+        kv.repeat(1, BLOCK_SIZE - 1, 100)

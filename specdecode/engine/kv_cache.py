@@ -181,6 +181,51 @@ class KVCache:
         for scales in (self._key_scales or []) + (self._value_scales or []):
             scales[dst, :, :n] = scales[src, :, :n]
 
+    def repeat(self, slot: int, have: int, end: int) -> None:
+        """Fill positions [have, end) of ``slot`` (taking blocks as ``ensure`` does) with copies of its first
+        ``have`` positions (whole blocks): a long context to time passes after (calibration.py) without the
+        prefill that would compute it. Copies of computed keys, not random ones: passes over random keys ran
+        up to 1.7x slower than over a prefill's, and copies cost what the prefill's own keys do."""
+        self.ensure(slot, end)
+        held = self.pool.draft_blocks(slot) if self.draft else self.pool.blocks(slot)
+        src = have // BLOCK_SIZE
+        if src == 0:
+            raise ValueError("KVCache.repeat needs at least one whole block of computed positions")
+        n = -(-end // BLOCK_SIZE)
+        ids = torch.tensor(held[:n], device=self.device)
+        fill = ids[torch.arange(src, n, device=self.device) % src]
+        tables = [t for i in range(self.num_layers) for t in (self._keys[i], self._values[i])]
+        tables += [t for scales in ((self._key_scales or []), (self._value_scales or [])) for t in scales]
+        for t in tables:
+            t[ids[src:]] = t[fill]
+
+    def discard(self, slot: int) -> None:
+        """Give the memory of ``slot``'s blocks back to the system (CPU; elsewhere nothing happens): after a
+        repeat, its pages would otherwise stay resident until a request reused them. Call it before the
+        slot's blocks are freed; they read as zeros afterwards."""
+        store = self._storage
+        if self.device.type != "cpu" or store.numel() == 0:
+            return
+        import mmap as _mmap
+
+        from specdecode.models.huge_pages import madvise_free
+        blocks = sorted(self.pool.draft_blocks(slot) if self.draft else self.pool.blocks(slot))
+        if not blocks:
+            return
+        per_block = self._keys[0][0].numel() * self._keys[0].element_size()  # bytes of one block of one table
+        base = store.data_ptr()
+        runs, start = [], blocks[0]
+        for a, b in zip(blocks, blocks[1:] + [None]):
+            if b != a + 1:
+                runs.append((start, a + 1))
+                start = b
+        for table in (t for i in range(self.num_layers) for t in (self._keys[i], self._values[i])):
+            for lo, hi in runs:
+                first = -(-(table.data_ptr() + lo * per_block) // _mmap.PAGESIZE) * _mmap.PAGESIZE
+                last = (table.data_ptr() + hi * per_block) // _mmap.PAGESIZE * _mmap.PAGESIZE
+                if last > first and first >= base:
+                    madvise_free(first, last - first)
+
     # ---- sizes ----
     @property
     def bytes_per_token(self) -> int:

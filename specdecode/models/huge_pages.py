@@ -35,7 +35,7 @@ HUGE_PAGE = 2 << 20
 PIECE = 8 * HUGE_PAGE  # bytes moved per mremap: bounds the extra memory, and how long a request that
 # arrives mid-piece waits for it
 _ENV = "SPECDECODE_NO_HUGE_PAGES"
-_MADV_HUGEPAGE = 14
+_MADV_DONTNEED, _MADV_REMOVE, _MADV_HUGEPAGE = 4, 9, 14
 _MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
 _PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
 
@@ -43,6 +43,7 @@ _lock = threading.Lock()
 # Weak: a mapping registered by a load that no engine starts (a test, a tool) must not stay alive for it.
 _pending: list[tuple[weakref.ref, int, int]] = []
 _moved = 0  # bytes moved so far in this process
+_queued = 0  # bytes handed to a mover thread and not yet moved or given up on (see pending_bytes)
 
 
 def usable() -> bool:
@@ -134,12 +135,33 @@ def move(mapping: mmap.mmap, lo: int, hi: int) -> int:
     return done
 
 
+def madvise_free(at: int, size: int) -> bool:
+    """Drop the pages of [at, at + size) (page aligned, anonymous memory): they read as zeros again and take no
+    memory until written. MADV_REMOVE for a shared mapping (Python's ``mmap.mmap(-1, n)``: DONTNEED would
+    only unmap its pages, which keep their memory and bytes), DONTNEED for a private one. False where
+    neither can be done here."""
+    lib = _libc()
+    return lib is not None and (lib.madvise(at, size, _MADV_REMOVE) == 0 or lib.madvise(at, size, _MADV_DONTNEED) == 0)
+
+
 def moved_bytes() -> int:
     """Bytes moved onto huge pages so far in this process."""
     return _moved
 
 
+def pending_bytes() -> int:
+    """Bytes a mover thread still has to move (0 once every move has finished or given up): a side-by-side
+    benchmark waits for 0, or a server moving its weights meanwhile runs on a core less than its peer."""
+    return _queued
+
+
 _quiet_checks: list[Callable[[], Callable[[], bool] | None]] = []  # each gives its check, or None once gone
+
+
+def _add_queued(n: int) -> None:
+    global _queued
+    with _lock:
+        _queued += n
 
 
 def _all_quiet() -> bool:
@@ -162,9 +184,12 @@ def start(quiet: Callable[[], bool], settle: float = 0.5) -> threading.Thread | 
         _pending.clear()
     if not work:
         return None
+    total = sum(size for m, lo, hi in work for _, size in pieces(m, lo, hi))
+    _add_queued(total)
 
     def run() -> None:
         since = None  # when the current quiet stretch began (None: not quiet now)
+        t0, left = time.monotonic(), total
         # The lowest CPU priority for this thread alone: "quiet" is this process's engine; another process's
         # (a second server on the same cores, as in a side-by-side benchmark) must not lose a core to the copy.
         try:
@@ -180,9 +205,16 @@ def start(quiet: Callable[[], bool], settle: float = 0.5) -> threading.Thread | 
                             break
                         time.sleep(0.05)
                     if not move_piece(at, size):
+                        logger.info("specdecode: the rest of the weights stay in small pages (no memory for a "
+                                    "huge-page copy)")
                         return
+                    left -= size
+                    _add_queued(-size)
+            logger.info("Weights moved onto huge pages: %.2f GiB in %.1f s", total / 2**30, time.monotonic() - t0)
         except Exception as e:  # the weights stay where they are; only their page size is at stake
             logger.info("specdecode: weights stay in small pages (%s: %s)", type(e).__name__, e)
+        finally:
+            _add_queued(-left)
 
     t = threading.Thread(target=run, name="specdecode-huge-pages", daemon=True)
     t.start()

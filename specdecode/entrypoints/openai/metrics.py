@@ -1,7 +1,8 @@
 """Prometheus metrics of the server, under vLLM's own names (``vllm:num_requests_running``,
 ``vllm:time_to_first_token_seconds``, ``vllm:spec_decode_*``, ``vllm:prefix_cache_queries`` / ``_hits`` in
 tokens, ...), so dashboards built for vLLM work unchanged, and the same values with a ``specdecode:`` prefix.
-``specdecode:request_errors`` (HTTP errors by status) has no vLLM counterpart.
+``specdecode:request_errors`` (HTTP errors by status) and ``specdecode:huge_pages_pending_bytes`` have no vLLM
+counterpart.
 
 Recorded on the engine thread after every step (prometheus-client is thread-safe), from the step's
 outputs and the engine's cumulative spec-decode counters; the HTTP layer adds rejected requests.
@@ -11,6 +12,7 @@ from __future__ import annotations
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
                                generate_latest)
 
+from specdecode.models import huge_pages
 from specdecode.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
@@ -81,6 +83,11 @@ class ServerMetrics:
                                  "Requests preempted (blocks released, prefilled again) for lack of KV cache.", m, r)
         self.kv_usage = _Twin(Gauge, "kv_cache_usage_perc",
                               "Fraction of the KV cache's blocks in use by running requests (0..1).", m, r)
+        # No vLLM counterpart: weights still to move onto huge pages (models/huge_pages.py). Until it reads 0 the
+        # server runs with a background copy beside it, so a side-by-side benchmark waits for it.
+        self.huge_pages_pending = Gauge("specdecode:huge_pages_pending_bytes", "Bytes of weights still to move "
+                                        "onto huge pages in the background (0: done).", registry=r)
+        self.huge_pages_pending.set_function(huge_pages.pending_bytes)
         for reason in FINISH_REASONS:
             self.success.labels(model_name, reason)  # every series exists at 0 before anything happened
         for c in (self.prompt_tokens, self.generation_tokens, self.spec_drafts, self.spec_draft_tokens,

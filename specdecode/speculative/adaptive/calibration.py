@@ -17,6 +17,13 @@ if TYPE_CHECKING:
 
 MAX_CALIBRATED_ROWS = 256  # beyond this a pass's cost is extrapolated (it is linear in the rows by then)
 _BIG = 16                  # passes over more rows are timed fewer times: they last long enough to be steady
+# The contexts passes are timed after (clamped to the engine's max_len). Attention's share of a pass grows with
+# the context, and each row a verification adds costs more the deeper it is (every row has its own scores
+# against every key), which no line through two short contexts predicts: the long one is timed too.
+CONTEXTS = (32, 512, 8192)
+_REAL_CONTEXT = 512  # contexts up to this are a real prefill; longer ones repeat it (KVCache.repeat)
+_LONG_ROUNDS = 3     # timed rounds after a repeated context: its passes are long enough to be steady
+VERSION = 2  # part of the cost cache's key: costs timed another way (an earlier version) are timed again
 
 
 def calibration_rows(k_max: int, batch: int = 1) -> list[int]:
@@ -96,11 +103,12 @@ def _scoring_with(draft, head: torch.nn.Module | None):
 
 
 def calibrate(target, draft, k_max: int, max_len: int, repeats: int = 5,
-              contexts: tuple[int, ...] = (32, 512), batch: int = 1,
+              contexts: tuple[int, ...] = CONTEXTS, batch: int = 1,
               draft_head: torch.nn.Module | None = None) -> CostModel:
     """Time target passes over the rows of calibration_rows(k_max, batch) and, with a draft runner, draft
-    passes over draft_calibration_rows(batch), after each of a short and a long context, on cache slot 0 (call
-    it while no request runs: the slot's content is left as scratch). Each round times every row count back
+    passes over draft_calibration_rows(batch), after each of ``contexts``, on cache slot 0 (call it while no
+    request runs: the slot's content is left as scratch; the memory a repeated context took is given back).
+    Each round times every row count back
     to back, after one untimed warm-up round; passes over many rows are timed once. Rows of one
     slot stand in for rows of many requests: the weights are read once per pass either way. The result's
     ``other_cpu_share`` says how busy the rest of the machine was meanwhile. ``draft_head``: the LM head the
@@ -120,18 +128,24 @@ def _timed(target, draft, k_max: int, max_len: int, repeats: int, contexts: tupl
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
     runners = [target] + ([draft] if draft is not None else [])
     cpu0 = _cpu_times()
+    done = 0  # positions of slot 0 a real prefill computed (before the timed passes wrote past them)
     for ctx in sorted({max(1, min(c, max_len - k_max - 2)) for c in contexts}):
         sizes = [n for n in calibration_rows(k_max, batch) if ctx + n <= max_len]
         dsizes = [n for n in draft_calibration_rows(batch) if ctx + n <= max_len] if draft is not None else []
         passes = [(False, target, n) for n in sizes] + [(True, draft, n) for n in dsizes]
         ids = torch.randint(0, vocab, (ctx + max(sizes + dsizes),), generator=gen).tolist()
+        repeated = ctx > _REAL_CONTEXT and done > 0
         with torch.inference_mode():
-            # A real prefill, not just any content: its seconds of full-speed work also bring the process up
-            # to the speed it keeps (timed without it, a fresh process's passes ran 15-45% slower).
             for runner in runners:
-                runner.prefill(0, ids[:ctx])
+                if repeated:  # a prefill this long would take a minute; the short contexts warmed up already
+                    runner.kv_cache.repeat(0, done, ctx)
+                else:
+                    # A real prefill, not just any content: its seconds of full-speed work also bring the
+                    # process up to the speed it keeps (timed without it, a fresh process's passes ran 15-45%
+                    # slower).
+                    runner.prefill(0, ids[:ctx])
             times: dict[tuple[bool, int], list[float]] = {(d, n): [] for d, _, n in passes}
-            for rnd in range(repeats + 1):
+            for rnd in range(min(repeats, _LONG_ROUNDS) + 1 if repeated else repeats + 1):
                 for is_draft, runner, n in passes:
                     if n > _BIG and rnd != 1:
                         continue  # long enough to be steady in one go, after the small passes warmed up
@@ -143,6 +157,11 @@ def _timed(target, draft, k_max: int, max_len: int, repeats: int, contexts: tupl
                     int(out[0][-1].argmax())  # the step's own use of its logits (and a device sync)
                     if rnd:
                         times[(is_draft, n)].append(time.perf_counter() - t0)
+            if repeated:
+                for runner in runners:
+                    runner.kv_cache.discard(0)
+            else:
+                done = ctx
         # Each cost is its fastest round. Interference from other work on the machine only ever slows a
         # pass down, so the minimum is the steadiest estimate of a pass's own cost (medians of per-round
         # ratios still moved the draft/verify ratio by 0.26-0.41 between calibrations).

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from specdecode.speculative.adaptive.acceptance import (CONFIDENCE_WINDOW, MAX_PROBE_EVERY, PRIOR_DECAY, PROBE_EVERY,
                                                         ConfidenceRates)
 from specdecode.speculative.adaptive.cache import cached_calibration, calibration_key, file_identity
-from specdecode.speculative.adaptive.calibration import (batch_size, calibrate, calibration_rows,
+from specdecode.speculative.adaptive.calibration import (CONTEXTS, VERSION, batch_size, calibrate, calibration_rows,
                                                          draft_calibration_rows)
 from specdecode.speculative.adaptive.costs import CostModel, expected_tokens
 from specdecode.speculative.adaptive.planner import (PLAIN, BatchPlan, StepCosts, StepOption, after_forced, choose_k,
@@ -107,7 +107,7 @@ class AdaptiveK:
         batch = batch_size(target)
         parts = dict(identity, target=file_identity(identity.get("target")),
                      draft=file_identity(identity.get("draft")) if draft is not None else None,
-                     rows=calibration_rows(k_max, batch), max_len=max_len,
+                     rows=calibration_rows(k_max, batch), max_len=max_len, contexts=CONTEXTS, how=VERSION,
                      draft_rows=draft_calibration_rows(batch) if draft is not None else None)
         key = calibration_key(parts)
         if refresh or key not in _CALIBRATED:
