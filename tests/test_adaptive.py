@@ -531,10 +531,13 @@ def _request(prompt: int, output: int = 0, draft_computed: int = 0):
 def test_one_off_catch_up_work_keeps_short_requests_plain():
     policy = AdaptiveK(enabled=True, costs=_cpu_like())
 
-    # The draft model has not seen this 400-token prompt: its prefill costs what ~6 target steps do. With 8
-    # tokens left it cannot pay for itself; with 400 left it does, and a draft already caught up drafts.
+    # The draft model has not seen this 400-token prompt: its prefill costs what ~10 target steps do. With 8
+    # tokens left it cannot pay for itself; with 400 left it does, once the request has decoded for three times
+    # the catch-up (33 steps here: _RENT), and a draft already caught up drafts at once.
     assert policy.plan([_request(400)], [7], [0], [4]) == [(False, 0)]
-    assert policy.plan([_request(400)], [399], [0], [4])[0][1] > 0
+    assert policy.plan([_request(400)], [399], [0], [4]) == [(False, 0)]
+    assert policy.plan([_request(400, 25)], [374], [0], [4]) == [(False, 0)]
+    assert policy.plan([_request(400, 40)], [359], [0], [4])[0][1] > 0
     assert policy.plan([_request(400, 2, draft_computed=401)], [7], [0], [4])[0][1] > 0
 
 
@@ -543,8 +546,8 @@ def test_a_step_that_looks_up_warms_up_a_draft_model_worth_starting():
     then catches up in that step (draft_warm_up), or it would owe more every step after and never start."""
     policy = AdaptiveK(enabled=True, costs=_cpu_like())
     sure = [[0.97] * 6]
-    r = _request(400)
-    [(looked_up, k)] = policy.plan([r], [399], [6], [4], sure)
+    r = _request(400, 40)
+    [(looked_up, k)] = policy.plan([r], [359], [6], [4], sure)
     assert looked_up and k > 0 and r.spec.draft_warm_up
     r = _request(400)  # 8 tokens left: the catch-up would not pay, so the lookup step does not pay for it either
     [(looked_up, k)] = policy.plan([r], [7], [6], [4], sure)
@@ -552,8 +555,8 @@ def test_a_step_that_looks_up_warms_up_a_draft_model_worth_starting():
     r = _request(400, 2, draft_computed=401)  # nothing to catch up on
     policy.plan([r], [399], [6], [4], sure)
     assert not r.spec.draft_warm_up
-    r = _request(400)  # the draft model itself drafts: its catch-up happens anyway
-    [(looked_up, k)] = policy.plan([r], [399], [0], [4])
+    r = _request(400, 40)  # the draft model itself drafts: its catch-up happens anyway
+    [(looked_up, k)] = policy.plan([r], [359], [0], [4])
     assert not looked_up and k > 0 and not r.spec.draft_warm_up
 
 
@@ -563,10 +566,10 @@ def test_text_a_grammar_forces_does_not_repay_a_draft_catch_up():
     starting it does not pay; without forced text the same request starts it. Every option also verifies the
     forced tokens, and counts them as emitted."""
     policy = AdaptiveK(enabled=True, costs=_cpu_like())
-    free = _request(400, 12)
+    free = _request(400, 40)
     assert policy.plan([free], [100], [0], [4])[0][1] > 0
-    forced = _request(400, 12)
-    forced.num_forced = 10
+    forced = _request(400, 40)
+    forced.num_forced = 35
     assert policy.plan([forced], [100], [0], [4]) == [(False, 0)]
     forced.draft_prefix = [5] * 4
     sc = StepCosts(policy.costs, 416)
@@ -587,7 +590,7 @@ def test_draft_catch_up_waits_until_a_request_outlives_the_short_answers():
 
     long_only = AdaptiveK(enabled=True, costs=_cpu_like())
     finished(long_only, [400] * 20)
-    assert long_only.plan([request(0)], [500], [0], [4])[0][1] > 0
+    assert long_only.plan([request(40)], [500], [0], [4])[0][1] > 0  # as soon as _RENT allows
     mixed = AdaptiveK(enabled=True, costs=_cpu_like())
     finished(mixed, [400, 400, 12, 400, 20, 400, 400, 16, 400, 400] * 2)  # the mean is 285 tokens
     # Each short answer stands for answers up to twice as long: the draft model starts past 2 x 20 tokens.
@@ -603,8 +606,8 @@ def test_draft_catch_up_waits_until_a_request_outlives_the_short_answers():
         few_short.finished(FakeRequest(num_output_tokens=n, finish_reason=reason, spec=SpecState()))
     assert few_short.assured_left(request(13), 500) <= 12
     assert few_short.plan([request(13)], [115], [0], [4]) == [(False, 0)]
-    assert few_short.assured_left(request(30), 98) == 98
-    assert few_short.plan([request(30)], [98], [0], [4])[0][1] > 0
+    assert few_short.assured_left(request(36), 92) == 92
+    assert few_short.plan([request(36)], [92], [0], [4])[0][1] > 0
     # Nor is a request taken to end sooner than the answers seen: after one 65-token answer, a request at its
     # first token has at least 64 to go (JSON answers of 65 and 128 tokens, say).
     one_answer = AdaptiveK(enabled=True, costs=_cpu_like())
@@ -621,7 +624,7 @@ def test_no_draft_catch_up_while_the_batch_is_about_to_grow_back():
     that drafting would not pay there (the others are only being prefilled); a draft already caught up keeps
     drafting, and once the batch stays small the catch-up is worth it again."""
     def req(seen: int):
-        return FakeRequest(all_token_ids=[1] * 100, num_output_tokens=0, draft_computed=seen, spec=SpecState())
+        return FakeRequest(all_token_ids=[1] * 100, num_output_tokens=10, draft_computed=seen, spec=SpecState())
 
     assert AdaptiveK(enabled=True, costs=_cpu_like()).plan([req(0)], [50], [0], [4])[0][1] > 0  # alone: drafts
     policy = AdaptiveK(enabled=True, costs=_cpu_like())

@@ -9,7 +9,8 @@ deep while its draft model is off, or the other way round.
 The draft model's first pass for a request feeds every token it has not seen (its prompt, the first time): that
 one-off cost is spread over the tokens the request is all but sure to have left (its budget, and the lengths of
 finished requests that ran as long as it has), so a short answer never pays for a draft prefill it cannot earn
-back: where some answers are short, the draft model starts once a request has outlived them.
+back: where some answers are short, the draft model starts once a request has outlived them. Before any
+answer has ended it starts once the request's decoding has cost a few times the catch-up (``_RENT``).
 """
 from __future__ import annotations
 
@@ -49,6 +50,11 @@ _ASSURED = 0.9         # a one-off draft catch-up must pay back within what this
 # request that has just outlived the short answers seen so far is still likely to be one of them, while one that
 # has not reached L yet is not taken to end any sooner than L.
 _LEN_SPREAD = tuple(2.0 ** (j / 4) for j in range(5))
+# A draft catch-up is paid only once the request's own decoding has cost _RENT times as much (ski rental):
+# before any answer has ended, nothing says how long this one runs, and a catch-up paid just before a short
+# answer ends is pure loss (a 190-token prompt's catch-up is about 0.3 s, a 14-token answer about 0.7 s).
+# Lookups are free and stay on meanwhile; a long answer forgoes the draft model's gain on its first few tokens.
+_RENT = 3.0
 _PEAK_DECAY = 0.98     # per step: how fast the remembered batch size falls back after the batch shrinks
 _CALIBRATED: dict[str, CostModel] = {}  # this process's calibrations by calibration_key
 
@@ -246,6 +252,8 @@ class AdaptiveK:
         # the rest of the request, so it is spread over the tokens the request is all but sure to have left.
         extra = max(0.0, sc.draft(lag) - sc.draft(1)) if lag > 1 else 0.0
         if extra and spread:
+            if extra * _RENT > r.num_output_tokens * sc.verify(1):
+                return []  # not before the request has run long enough (see _RENT)
             extra /= self.assured_left(r, budget) * _free_share(r)
         out = []
         for k in range(1, cap + 1):
