@@ -70,7 +70,7 @@ def test_the_move_waits_until_the_engine_is_quiet_and_says_when_it_is_done(tmp_p
     quiet = {"now": False}
     before = huge_pages.pending_bytes()
     with caplog.at_level(logging.INFO, logger="specdecode"):
-        thread = huge_pages.start(lambda: quiet["now"], settle=0.2)
+        thread = huge_pages.start(lambda: quiet["now"], settle=0.2, machine_quiet=lambda: True)
         assert thread is not None and not huge_pages._pending
         time.sleep(0.6)
         assert _moved_kb(entry) == 0  # busy: still the file's pages
@@ -98,7 +98,7 @@ def test_a_busy_engine_holds_every_move_and_a_gone_one_does_not(tmp_path, monkey
     busy = _Engine()
     huge_pages.start(busy.quiet)  # nothing pending: it only adds its check
     entry, w = _entry(tmp_path, monkeypatch)
-    thread = huge_pages.start(lambda: True, settle=0.1)
+    thread = huge_pages.start(lambda: True, settle=0.1, machine_quiet=lambda: True)
     time.sleep(0.5)
     assert _moved_kb(entry) == 0  # the other engine is busy
     del busy
@@ -124,3 +124,32 @@ def test_a_mapping_nobody_uses_is_not_kept_for_the_move(tmp_path, monkeypatch):
     del entry
     gc.collect()
     assert huge_pages.start(lambda: True) is None  # the registered mapping is gone: nothing to move
+
+
+def test_a_busy_machine_holds_the_move_until_it_is_quiet(tmp_path, monkeypatch):
+    """Another process busy on this process's CPUs (a second server in a side-by-side benchmark) holds the
+    move as a busy engine of this process does; the default reading comes from /proc."""
+    import os
+    import subprocess
+    import sys
+
+    entry, w = _entry(tmp_path, monkeypatch)
+    huge_pages._quiet_checks.clear()
+    cpus = sorted(os.sched_getaffinity(0))
+    spin = [subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{c}}})\nwhile True: pass"])
+            for c in cpus]
+    try:
+        probe = huge_pages._MachineQuiet()
+        time.sleep(0.3)
+        assert not probe()  # the spinners hold every CPU this process may use
+        thread = huge_pages.start(lambda: True, settle=0.2)
+        time.sleep(1.0)
+        assert _moved_kb(entry) == 0
+    finally:
+        for p in spin:
+            p.kill()
+            p.wait()
+    thread.join(30)
+    assert not thread.is_alive() and _moved_kb(entry) >= 8 * 1024
+    assert torch.equal(entry.tensors["w"], w)
+    huge_pages._quiet_checks.clear()

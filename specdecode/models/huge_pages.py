@@ -171,12 +171,53 @@ def _all_quiet() -> bool:
     return all(f() for f in checks if f is not None)
 
 
-def start(quiet: Callable[[], bool], settle: float = 0.5) -> threading.Thread | None:
+class _MachineQuiet:
+    """Whether, since the last call, other processes left this process's CPUs mostly idle (from /proc; True
+    where it cannot tell). A server side by side with another on the same cores (a benchmark) then moves its
+    weights only while both are idle: a copy beside the other server's request would slow that request (the
+    copy's core, its memory traffic), so one server's move would skew the comparison against the other."""
+
+    def __init__(self, max_share: float = 0.25):
+        self.max_share = max_share
+        self.last = self._ticks()
+
+    @staticmethod
+    def _ticks() -> tuple[int, int, int] | None:
+        """(busy ticks of the CPUs this process may run on, all their ticks, this process's own ticks)."""
+        try:
+            cpus = os.sched_getaffinity(0)
+            busy = total = 0
+            with open("/proc/stat") as f:
+                for line in f:
+                    name, *fields = line.split()
+                    if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+                        continue
+                    ticks = [int(x) for x in fields[:8]]
+                    total += sum(ticks)
+                    busy += sum(ticks) - ticks[3] - ticks[4] - ticks[7]  # less idle, iowait and a VM's steal
+            with open("/proc/self/stat") as f:
+                own = f.read().rsplit(")", 1)[1].split()
+            return busy, total, int(own[11]) + int(own[12])
+        except (OSError, ValueError, IndexError, AttributeError):
+            return None
+
+    def __call__(self) -> bool:
+        now, before = self._ticks(), self.last
+        self.last = now
+        if now is None or before is None or now[1] <= before[1]:
+            return True
+        others = (now[0] - before[0]) - (now[2] - before[2])
+        return others <= self.max_share * (now[1] - before[1])
+
+
+def start(quiet: Callable[[], bool], settle: float = 0.5,
+          machine_quiet: Callable[[], bool] | None = None) -> threading.Thread | None:
     """Move every registered range in a background thread, a piece at a time, each only after every quiet check
     given here (``quiet``, and those of earlier calls while their owners live) has held for ``settle`` seconds:
     a copy running beside a decoding step would slow it more than the pages gain (the step's threads wait on
     each other, and the copy takes a core), and one beside a timed pass would skew its cost. A bound method
-    is held weakly. The thread holds each mapping until its range is done."""
+    is held weakly. ``machine_quiet`` (default: other processes leave the CPUs mostly idle, _MachineQuiet) must
+    hold too. The thread holds each mapping until its range is done."""
     ref = weakref.WeakMethod(quiet) if hasattr(quiet, "__self__") else (lambda: quiet)
     with _lock:
         _quiet_checks.append(ref)
@@ -184,6 +225,7 @@ def start(quiet: Callable[[], bool], settle: float = 0.5) -> threading.Thread | 
         _pending.clear()
     if not work:
         return None
+    others_quiet = machine_quiet or _MachineQuiet()
     total = sum(size for m, lo, hi in work for _, size in pieces(m, lo, hi))
     _add_queued(total)
 
@@ -200,7 +242,8 @@ def start(quiet: Callable[[], bool], settle: float = 0.5) -> threading.Thread | 
             for mapping, lo, hi in work:
                 for at, size in pieces(mapping, lo, hi):
                     while True:
-                        since = (since or time.monotonic()) if _all_quiet() else None
+                        mine, others = _all_quiet(), others_quiet()  # each call of others_quiet is a reading
+                        since = (since or time.monotonic()) if mine and others else None
                         if since is not None and time.monotonic() - since >= settle:
                             break
                         time.sleep(0.05)
