@@ -28,7 +28,8 @@ from specdecode.layers.linear import Linear
 from specdecode.layers.moe import MoEArgs
 from specdecode.models.loader import LoadedModel
 from specdecode.models.model import CausalLM, ModelArgs
-from specdecode.speculative.adaptive.calibration import _cpu_times, other_cpu_share
+from specdecode.cpu_share import cpu_times as _cpu_times
+from specdecode.cpu_share import other_cpu_share
 from specdecode.speculative.adaptive.costs import CostModel
 from specdecode.speculative.adaptive.planner import choose_k
 

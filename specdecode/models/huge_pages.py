@@ -29,6 +29,8 @@ import weakref
 from pathlib import Path
 from typing import Callable
 
+from specdecode.cpu_share import cpu_times, other_cpu_share
+
 logger = logging.getLogger("specdecode")
 
 HUGE_PAGE = 2 << 20
@@ -172,42 +174,20 @@ def _all_quiet() -> bool:
 
 
 class _MachineQuiet:
-    """Whether, since the last call, other processes left this process's CPUs mostly idle (from /proc; True
-    where it cannot tell). A server side by side with another on the same cores (a benchmark) then moves its
-    weights only while both are idle: a copy beside the other server's request would slow that request (the
-    copy's core, its memory traffic), so one server's move would skew the comparison against the other."""
+    """Whether, since the last call, other processes left this process's CPUs mostly idle (True where /proc
+    cannot tell). A server side by side with another on the same cores (a benchmark) then moves its weights
+    only while both are idle: a copy beside the other server's request would slow that request (the copy's
+    core, its memory traffic), so one server's move would skew the comparison against the other."""
 
     def __init__(self, max_share: float = 0.25):
         self.max_share = max_share
-        self.last = self._ticks()
-
-    @staticmethod
-    def _ticks() -> tuple[int, int, int] | None:
-        """(busy ticks of the CPUs this process may run on, all their ticks, this process's own ticks)."""
-        try:
-            cpus = os.sched_getaffinity(0)
-            busy = total = 0
-            with open("/proc/stat") as f:
-                for line in f:
-                    name, *fields = line.split()
-                    if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
-                        continue
-                    ticks = [int(x) for x in fields[:8]]
-                    total += sum(ticks)
-                    busy += sum(ticks) - ticks[3] - ticks[4] - ticks[7]  # less idle, iowait and a VM's steal
-            with open("/proc/self/stat") as f:
-                own = f.read().rsplit(")", 1)[1].split()
-            return busy, total, int(own[11]) + int(own[12])
-        except (OSError, ValueError, IndexError, AttributeError):
-            return None
+        self.last = cpu_times()
 
     def __call__(self) -> bool:
-        now, before = self._ticks(), self.last
+        now, before = cpu_times(), self.last
         self.last = now
-        if now is None or before is None or now[1] <= before[1]:
-            return True
-        others = (now[0] - before[0]) - (now[2] - before[2])
-        return others <= self.max_share * (now[1] - before[1])
+        share = other_cpu_share(before, now)
+        return share is None or share <= self.max_share
 
 
 def start(quiet: Callable[[], bool], settle: float = 0.5,
