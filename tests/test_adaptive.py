@@ -430,7 +430,7 @@ def test_other_cpu_share_sees_a_busy_process():
     import sys
     import time
 
-    import specdecode.speculative.adaptive.calibration as ad
+    from specdecode.cpu_share import cpu_times, other_cpu_share
 
     # Bounded, so that a test run killed before the finally below leaves no process spinning behind it.
     spin = "import time\nend = time.time() + 30\nprint('spinning', flush=True)\nwhile time.time() < end: pass"
@@ -438,9 +438,9 @@ def test_other_cpu_share_sees_a_busy_process():
     try:
         # Measure only once it spins: on a loaded host its interpreter may take longer than any fixed wait to start.
         assert spinner.stdout.readline().strip() == "spinning"
-        before = ad._cpu_times()
+        before = cpu_times()
         time.sleep(1.0)
-        busy = ad.other_cpu_share(before, ad._cpu_times())
+        busy = other_cpu_share(before, cpu_times())
     finally:
         spinner.kill()
         spinner.wait()

@@ -23,13 +23,12 @@ from typing import Callable
 
 import torch
 
+from specdecode.cpu_share import cpu_times, other_cpu_share
 from specdecode.engine.model_runner import ModelRunner
 from specdecode.layers.linear import Linear
 from specdecode.layers.moe import MoEArgs
 from specdecode.models.loader import LoadedModel
 from specdecode.models.model import CausalLM, ModelArgs
-from specdecode.cpu_share import cpu_times as _cpu_times
-from specdecode.cpu_share import other_cpu_share
 from specdecode.speculative.adaptive.costs import CostModel
 from specdecode.speculative.adaptive.planner import choose_k
 
@@ -125,10 +124,10 @@ def main(argv: list[str] | None = None) -> dict:
     runners["dense_python"].model.fused_layers = False
     rows = list(range(1, K_MAX + 2))
     for ctx in (32, 512):
-        cpu0 = _cpu_times()
+        cpu0 = cpu_times()
         clock = time.thread_time if o.clock == "cpu" else time.perf_counter
         best = time_passes(runners, rows, ctx, o.rounds, clock)
-        busy = other_cpu_share(cpu0, _cpu_times())
+        busy = other_cpu_share(cpu0, cpu_times())
         for name, table in best.items():
             costs = CostModel()
             for n, sec in table.items():

@@ -203,17 +203,13 @@ class KVCache:
         """Give the memory of ``slot``'s blocks back to the system (CPU; elsewhere nothing happens): after a
         repeat, its pages would otherwise stay resident until a request reused them. Call it before the
         slot's blocks are freed; they read as zeros afterwards."""
-        store = self._storage
-        if self.device.type != "cpu" or store.numel() == 0:
+        if self.device.type != "cpu" or self._storage.numel() == 0:
             return
-        import mmap as _mmap
-
         from specdecode.models.huge_pages import madvise_free
         blocks = sorted(self.pool.draft_blocks(slot) if self.draft else self.pool.blocks(slot))
         if not blocks:
             return
         per_block = self._keys[0][0].numel() * self._keys[0].element_size()  # bytes of one block of one table
-        base = store.data_ptr()
         runs, start = [], blocks[0]
         for a, b in zip(blocks, blocks[1:] + [None]):
             if b != a + 1:
@@ -221,9 +217,9 @@ class KVCache:
                 start = b
         for table in (t for i in range(self.num_layers) for t in (self._keys[i], self._values[i])):
             for lo, hi in runs:
-                first = -(-(table.data_ptr() + lo * per_block) // _mmap.PAGESIZE) * _mmap.PAGESIZE
-                last = (table.data_ptr() + hi * per_block) // _mmap.PAGESIZE * _mmap.PAGESIZE
-                if last > first and first >= base:
+                first = -(-(table.data_ptr() + lo * per_block) // mmap.PAGESIZE) * mmap.PAGESIZE
+                last = (table.data_ptr() + hi * per_block) // mmap.PAGESIZE * mmap.PAGESIZE
+                if last > first:
                     madvise_free(first, last - first)
 
     # ---- sizes ----

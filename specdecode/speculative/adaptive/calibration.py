@@ -6,12 +6,10 @@ The result (a ``CostModel``) is kept on disk per setup (cache.py), so only the f
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from typing import TYPE_CHECKING
 
-from specdecode.cpu_share import cpu_times as _cpu_times
-from specdecode.cpu_share import other_cpu_share
+from specdecode.cpu_share import cpu_times, other_cpu_share
 from specdecode.speculative.adaptive.costs import CostModel
 
 if TYPE_CHECKING:
@@ -80,9 +78,8 @@ def calibrate(target, draft, k_max: int, max_len: int, repeats: int = 5,
     """Time target passes over the rows of calibration_rows(k_max, batch) and, with a draft runner, draft
     passes over draft_calibration_rows(batch), after each of ``contexts``, on cache slot 0 (call it while no
     request runs: the slot's content is left as scratch; the memory a repeated context took is given back).
-    Each round times every row count back
-    to back, after one untimed warm-up round; passes over many rows are timed once. Rows of one
-    slot stand in for rows of many requests: the weights are read once per pass either way. The result's
+    Each round times every row count back to back, after one untimed warm-up round; passes over many rows are
+    timed once. Rows of one slot stand in for rows of many requests: the weights are read once per pass either way. The result's
     ``other_cpu_share`` says how busy the rest of the machine was meanwhile. ``draft_head``: the LM head the
     draft's passes are timed with (a proposer's truncated head; None: the draft model's current one)."""
     with _scoring_with(draft, draft_head):
@@ -99,7 +96,7 @@ def _timed(target, draft, k_max: int, max_len: int, repeats: int, contexts: tupl
     vocab = min(target.vocab_size, draft.vocab_size if draft is not None else target.vocab_size)
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
     runners = [target] + ([draft] if draft is not None else [])
-    cpu0 = _cpu_times()
+    cpu0 = cpu_times()
     done = 0  # positions of slot 0 a real prefill computed (before the timed passes wrote past them)
     for ctx in sorted({max(1, min(c, max_len - k_max - 2)) for c in contexts}):
         sizes = [n for n in calibration_rows(k_max, batch) if ctx + n <= max_len]
@@ -143,7 +140,7 @@ def _timed(target, draft, k_max: int, max_len: int, repeats: int, contexts: tupl
                     costs.add_draft(ctx, min(ts), n)
                 else:
                     costs.add(ctx, n, min(ts))
-    costs.other_cpu_share = other_cpu_share(cpu0, _cpu_times())
+    costs.other_cpu_share = other_cpu_share(cpu0, cpu_times())
     return costs
 
 
