@@ -1,4 +1,5 @@
-"""Weights moved onto huge pages keep their bytes and their addresses, and the move waits for a quiet engine."""
+"""Weights come from the page cache's huge pages where the kernel keeps files in large folios; elsewhere they are
+moved onto huge pages, keep their bytes and their addresses, and the move waits for a quiet engine."""
 from __future__ import annotations
 
 import gc
@@ -26,12 +27,29 @@ def _anonymous_kb(address: int) -> int:
     return 0
 
 
+def _file_pmd_kb(address: int) -> int:
+    """The 'FilePmdMapped:' kB of the mapping of this process that holds ``address``."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("FilePmdMapped:"):
+            return int(line.split()[1])
+    return 0
+
+
 def _moved_kb(entry: pc.Entry) -> int:
     """Anonymous kB (moved pages) of the mapping that holds the middle of entry's 12 MB tensor."""
     return _anonymous_kb(entry.tensors["w"].data_ptr() + 4 * MB)
 
 
-def _entry(tmp_path, monkeypatch, mb: int = 12) -> tuple[pc.Entry, torch.Tensor]:
+def _entry(tmp_path, monkeypatch, mb: int = 12, page_cache: bool = False) -> tuple[pc.Entry, torch.Tensor]:
+    """A written and read entry with a ``mb`` MB tensor "w". Without ``page_cache``, as on a kernel that keeps
+    files in small folios only: the entry's range is left for the mover."""
+    if not page_cache:
+        monkeypatch.setattr(huge_pages, "map_from_page_cache", lambda *a: False)
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("SPECDECODE_PACKED_CACHE", raising=False)
     monkeypatch.delenv("SPECDECODE_NO_HUGE_PAGES", raising=False)
@@ -156,3 +174,63 @@ def test_a_busy_machine_holds_the_move_until_it_is_quiet(tmp_path, monkeypatch):
     assert not thread.is_alive() and _moved_kb(entry) >= 8 * 1024
     assert torch.equal(entry.tensors["w"], w)
     huge_pages._quiet_checks.clear()
+
+
+def _in_small_folios(path, lo: int, hi: int) -> None:
+    """Put bytes [lo, hi) of ``path`` in the page cache in small folios, as a writer of small pieces leaves
+    them: dropped from the page cache, then written again 4 KiB at a time (the same bytes)."""
+    import os
+
+    fd = os.open(path, os.O_RDWR)
+    try:
+        data = os.pread(fd, hi - lo, lo)
+        os.fsync(fd)
+        os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_DONTNEED)
+        for at in range(0, len(data), 4096):
+            os.pwrite(fd, data[at:at + 4096], lo + at)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _key(tmp_path) -> dict:
+    return {"format": "fp32", "source": [[str(tmp_path / "model.gguf"), 1, 0]]}
+
+
+def test_weights_come_from_the_page_caches_huge_pages(tmp_path, monkeypatch):
+    """A file in small folios in the page cache: reading it drops the range from the page cache once and reads
+    it again in 2 MiB folios, mapped with one entry each, nothing left for the mover. A second reader (another
+    process starting) maps the same folios without reading again."""
+    rereads = []
+    reread = huge_pages._reread
+    monkeypatch.setattr(huge_pages, "_reread", lambda *a: (rereads.append(a[2]), reread(*a)))
+    entry, w = _entry(tmp_path, monkeypatch, page_cache=True)
+    path = entry.path
+    del entry
+    gc.collect()
+    _in_small_folios(path, 0, path.stat().st_size)
+    rereads.clear()
+    entry = pc.read_entry(path, _key(tmp_path))
+    t = entry.tensors["w"]
+    assert huge_pages.usable(), "this test runs on Linux with transparent huge pages available"
+    assert _file_pmd_kb(t.data_ptr() + 4 * MB) >= 8 * 1024 and _anonymous_kb(t.data_ptr() + 4 * MB) == 0
+    assert not huge_pages._pending
+    assert torch.equal(t, w) and torch.equal(entry.tensors["small"], torch.arange(10.0))
+    assert len(rereads) == 2 and rereads[0] == huge_pages.HUGE_PAGE  # the probe, then the rest
+    rereads.clear()
+    again = pc.read_entry(path, _key(tmp_path))
+    assert not rereads and _file_pmd_kb(again.tensors["w"].data_ptr() + 4 * MB) >= 8 * 1024
+    assert torch.equal(again.tensors["w"], w) and not huge_pages._pending
+
+
+def test_a_kernel_without_large_file_folios_reads_one_piece_again_then_leaves_it_to_the_mover(tmp_path,
+                                                                                                monkeypatch):
+    entry, w = _entry(tmp_path, monkeypatch, page_cache=True)
+    rereads = []
+    monkeypatch.setattr(huge_pages, "_file_pmd_bytes", lambda first, last: 0)  # nothing ever maps in 2 MiB
+    monkeypatch.setattr(huge_pages, "_reread", lambda *a: rereads.append(a[2]))
+    huge_pages._pending.clear()
+    again = pc.read_entry(entry.path, _key(tmp_path))
+    assert rereads == [huge_pages.HUGE_PAGE]  # the probe alone, not the whole file at every start
+    assert len(huge_pages._pending) == 1  # the mover's, as before
+    assert torch.equal(again.tensors["w"], w)

@@ -1,19 +1,26 @@
-"""Moving memory-mapped weights onto transparent huge pages, in the background, at the same addresses.
+"""Weights in transparent huge pages: mapped from the page cache's huge pages at load where the kernel can, else
+moved onto anonymous huge pages in the background, at the same addresses.
 
-The packed weights are mapped from the cache file in 4 KiB pages, and the CPU kernels stream every weight at
-every decoding step. With 4 KiB pages each new page costs a TLB walk and restarts the hardware prefetcher, which
-leaves the weight stream short of the memory bandwidth (docs/benchmarks.md, session 21). Reading the weights into
-huge pages at load would make every start wait for the copy and the kernel's huge-page allocation.
+The packed weights are mapped from the cache file, and the CPU kernels stream every weight at every decoding
+step. With 4 KiB pages each new page costs a TLB walk and restarts the hardware prefetcher, which leaves the
+weight stream short of the memory bandwidth (docs/benchmarks.md, session 21).
 
-So the start keeps the file mapping, and ``start()`` (called once the engine is built) moves each registered
-range in the background, piece by piece, while the engine is quiet (no request, no timing): a piece is copied
-into fresh anonymous memory advised for huge pages, and ``mremap`` then puts that memory at the piece's own
-address, replacing the file pages in one step. The bytes and the addresses the kernels hold stay the same, so no
-result can change; a reader that touches the piece meanwhile waits on the page-table lock and then reads the
-same bytes from the new pages.
+Where the filesystem keeps files in large folios (ext4, xfs and others on Linux 6.x), a file mapping advised for
+huge pages is read into 2 MiB folios and mapped with one entry per 2 MiB, straight from the page cache: no copy,
+the pages shared with every process that maps the file, and in place before the first request
+(``map_from_page_cache``). A file written in small pieces sits in the page cache in small folios; then its range
+is dropped from the page cache once and read again, which gives large ones from then on.
+
+Elsewhere (an older kernel, another filesystem), ``start()`` (called once the engine is built) moves each
+registered range in the background, piece by piece, while the engine is quiet (no request, no timing): a piece is
+copied into fresh anonymous memory advised for huge pages, and ``mremap`` then puts that memory at the piece's
+own address, replacing the file pages in one step. Reading the weights into huge pages at load would make every
+start wait for the copy and the kernel's huge-page allocation. The bytes and the addresses the kernels hold stay
+the same, so no result can change; a reader that touches the piece meanwhile waits on the page-table lock and
+then reads the same bytes from the new pages.
 
 Linux only, and only where transparent huge pages are not set to "never"; ``$SPECDECODE_NO_HUGE_PAGES=1``
-switches it off. Anything unexpected (no ``mremap``, an allocation that fails) leaves the rest mapped as it was.
+switches both off. Anything unexpected (no ``mremap``, an allocation that fails) leaves the rest mapped as it was.
 """
 from __future__ import annotations
 
@@ -37,7 +44,7 @@ HUGE_PAGE = 2 << 20
 PIECE = 8 * HUGE_PAGE  # bytes moved per mremap: bounds the extra memory, and how long a request that
 # arrives mid-piece waits for it
 _ENV = "SPECDECODE_NO_HUGE_PAGES"
-_MADV_DONTNEED, _MADV_REMOVE, _MADV_HUGEPAGE = 4, 9, 14
+_MADV_DONTNEED, _MADV_REMOVE, _MADV_HUGEPAGE, _MADV_POPULATE_READ = 4, 9, 14, 22
 _MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
 _PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
 
@@ -91,6 +98,65 @@ def register(mapping: mmap.mmap, lo: int, hi: int) -> None:
     if hi - lo >= HUGE_PAGE and usable():
         with _lock:
             _pending.append((weakref.ref(mapping), lo, hi))
+
+
+def _file_pmd_bytes(first: int, last: int) -> int:
+    """Bytes of this process's file mappings between addresses first and last mapped in 2 MiB entries (the
+    FilePmdMapped of /proc/self/smaps, of the areas that start in that range: advising part of a mapping splits
+    it there)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if head[0] in "0123456789abcdef" and "-" in head:
+                inside = first <= int(head.split("-", 1)[0], 16) < last
+            elif inside and head == "FilePmdMapped:":
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def _populate(at: int, size: int) -> bool:
+    """Fault [at, at + size) in from the file (MADV_POPULATE_READ, Linux 5.14+); False where it cannot."""
+    lib = _libc()
+    return lib is not None and lib.madvise(at, size, _MADV_POPULATE_READ) == 0
+
+
+def _reread(fd: int, at: int, size: int, offset: int) -> None:
+    """Drop [at, at + size) of a read-only private file mapping (its file bytes at ``offset``) from this
+    process and from the page cache, then fault it in again: read anew through a mapping advised for huge
+    pages, the file comes into the page cache in 2 MiB folios. Pages another process maps stay as they are."""
+    _libc().madvise(at, size, _MADV_DONTNEED)
+    os.posix_fadvise(fd, offset, size, os.POSIX_FADV_DONTNEED)
+    _populate(at, size)
+
+
+def map_from_page_cache(mapping: mmap.mmap, fd: int, lo: int, hi: int) -> bool:
+    """Map the whole huge pages inside bytes [lo, hi) of ``mapping`` (a private mapping of file ``fd`` from its
+    start, never written) from the page cache's 2 MiB folios, reading them in now; True if (nearly) all of them
+    are mapped so. Where the page cache holds the range in small folios, one 2 MiB piece is read again first
+    as a probe, and only if that one comes back in a huge page is the whole range (a kernel or filesystem
+    without large folios would read the file again at every start for nothing)."""
+    if not usable() or not hasattr(os, "posix_fadvise"):
+        return False
+    base = address_of(mapping)
+    first = -(-(base + lo) // HUGE_PAGE) * HUGE_PAGE
+    last = (base + hi) // HUGE_PAGE * HUGE_PAGE
+    if last <= first or base % HUGE_PAGE:  # a file offset and its address must agree modulo 2 MiB
+        return False
+    size = last - first
+    lib = _libc()
+    if lib.madvise(first, size, _MADV_HUGEPAGE) != 0 or not _populate(first, size):
+        return False
+    enough = 0.9 * size  # the odd piece another process holds mapped in small pages may stay so
+    if _file_pmd_bytes(first, last) >= enough:
+        return True
+    probe = last - HUGE_PAGE
+    before = _file_pmd_bytes(first, last)
+    _reread(fd, probe, HUGE_PAGE, probe - base)
+    if _file_pmd_bytes(first, last) < before + HUGE_PAGE:
+        return False
+    _reread(fd, first, size - HUGE_PAGE, first - base)
+    return _file_pmd_bytes(first, last) >= enough
 
 
 def pieces(mapping: mmap.mmap, lo: int, hi: int) -> list[tuple[int, int]]:

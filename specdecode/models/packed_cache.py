@@ -3,8 +3,9 @@
 Converting a GGUF or safetensors checkpoint to w8a8 / w4a8 / int8 (or fp32 / bf16) costs a dequantize and
 requantize pass over every weight. It is done once: the packed tensors are written to one file per (source,
 format) under ``<cache dir>/packed/`` (the cache dir honours ``$SPECDECODE_CACHE``), and later loads
-memory-map that file, so weight pages are shared with the page cache and read only where touched. Once the
-engine is built, the tensors read whole at load move onto huge pages in the background (``huge_pages``).
+memory-map that file, so weight pages are shared with the page cache and read only where touched. The tensors
+read whole at load are mapped in huge pages: from the page cache where the kernel keeps the file in large folios,
+else moved onto anonymous ones in the background once the engine is built (``huge_pages``).
 
 An entry is a preamble (magic, header length, sha256 of the header), a JSON header (key, model metadata, and per
 tensor: dtype, shape, offset, size, checksum) and the tensor data, each tensor 64-byte aligned. The checksum is
@@ -359,9 +360,10 @@ def read_entry(path: Path, key: dict) -> Entry:
             lo = data_start + min(r["offset"] for r in eager)
             hi = data_start + max(r["offset"] + r["nbytes"] for r in eager)
             lo -= lo % mmap.PAGESIZE
-            mm.madvise(mmap.MADV_WILLNEED, lo, hi - lo)
-            if hi <= size:
-                huge_pages.register(mm, lo, hi)  # moved once the engine is built (huge_pages.start)
+            if hi > size or not huge_pages.map_from_page_cache(mm, f.fileno(), lo, hi):
+                mm.madvise(mmap.MADV_WILLNEED, lo, hi - lo)
+                if hi <= size:
+                    huge_pages.register(mm, lo, hi)  # moved once the engine is built (huge_pages.start)
         placed = []
         for r in records:
             try:
