@@ -23,7 +23,7 @@ _BIG = 16                  # passes over more rows are timed fewer times: they l
 CONTEXTS = (32, 512, 8192)
 _REAL_CONTEXT = 512  # contexts up to this are a real prefill; longer ones repeat it (KVCache.repeat)
 _LONG_ROUNDS = 3     # timed rounds after a repeated context: its passes are long enough to be steady
-VERSION = 3  # part of the cost cache's key: costs timed another way (an earlier version) are timed again
+VERSION = 4  # part of the cost cache's key: costs timed another way (an earlier version) are timed again
 
 
 def calibration_rows(k_max: int, batch: int = 1) -> list[int]:
@@ -79,7 +79,7 @@ def calibrate(target, draft, k_max: int, max_len: int, repeats: int = 5,
     passes over draft_calibration_rows(batch), after each of ``contexts``, on cache slot 0 (call it while no
     request runs: the slot's content is left as scratch; the memory a repeated context took is given back).
     Each round times every row count back to back, after one untimed warm-up round; passes over many rows are
-    timed once, and a short draft pass right after an untimed target pass, as in a step. Rows of one slot stand in for rows of many requests: the weights are read once per pass either way. The result's
+    timed once, and a short draft pass after an untimed draft pass and target pass, as in a step. Rows of one slot stand in for rows of many requests: the weights are read once per pass either way. The result's
     ``other_cpu_share`` says how busy the rest of the machine was meanwhile. ``draft_head``: the LM head the
     draft's passes are timed with (a proposer's truncated head; None: the draft model's current one)."""
     with _scoring_with(draft, draft_head):
@@ -121,9 +121,10 @@ def _timed(target, draft, k_max: int, max_len: int, repeats: int, contexts: tupl
                     # a verification needs every row's logits; a draft step one per request, a catch-up one
                     all_logits = not is_draft or n <= batch
                     if is_draft and n <= _BIG:
-                        # As in a step: the draft passes follow a verification. Right after a target pass a
-                        # short draft pass takes longer than after another draft pass (the caches and the
-                        # prefetchers hold the other model's data), and back to back they were priced too low.
+                        # As in a step: a draft pass, a verification, then the timed draft pass. Back to back a
+                        # short draft pass ran 3-5 ms faster than between verifications (the caches hold the
+                        # other model's data), and right after a row of target passes slower still.
+                        runner.forward_rows([(0, ctx, ids[ctx:ctx + 1])], all_logits=False)
                         target.forward_rows([(0, ctx, ids[ctx:ctx + 1])], all_logits=True)
                     sync()
                     t0 = time.perf_counter()
