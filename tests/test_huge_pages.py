@@ -14,30 +14,25 @@ from specdecode.models import packed_cache as pc
 MB = 1 << 20
 
 
-def _anonymous_kb(address: int) -> int:
-    """The 'Anonymous:' kB of the mapping of this process that holds ``address``."""
+def _smaps_kb(address: int, field: str) -> int:
+    """The kB of ``field`` ('Anonymous', 'FilePmdMapped', ...) of this process's mapping that holds ``address``."""
     inside = False
     for line in open("/proc/self/smaps"):
         head = line.split()[0]
         if "-" in head and ":" not in head:
             lo, hi = (int(x, 16) for x in head.split("-"))
             inside = lo <= address < hi
-        elif inside and line.startswith("Anonymous:"):
+        elif inside and line.startswith(field + ":"):
             return int(line.split()[1])
     return 0
+
+
+def _anonymous_kb(address: int) -> int:
+    return _smaps_kb(address, "Anonymous")
 
 
 def _file_pmd_kb(address: int) -> int:
-    """The 'FilePmdMapped:' kB of the mapping of this process that holds ``address``."""
-    inside = False
-    for line in open("/proc/self/smaps"):
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and line.startswith("FilePmdMapped:"):
-            return int(line.split()[1])
-    return 0
+    return _smaps_kb(address, "FilePmdMapped")
 
 
 def _moved_kb(entry: pc.Entry) -> int:
