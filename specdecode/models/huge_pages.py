@@ -148,12 +148,12 @@ def map_from_page_cache(mapping: mmap.mmap, fd: int, lo: int, hi: int) -> bool:
     if lib.madvise(first, size, _MADV_HUGEPAGE) != 0 or not _populate(first, size):
         return False
     enough = 0.9 * size  # the odd piece another process holds mapped in small pages may stay so
-    if _file_pmd_bytes(first, last) >= enough:
+    mapped = _file_pmd_bytes(first, last)
+    if mapped >= enough:
         return True
     probe = last - HUGE_PAGE
-    before = _file_pmd_bytes(first, last)
     _reread(fd, probe, HUGE_PAGE, probe - base)
-    if _file_pmd_bytes(first, last) < before + HUGE_PAGE:
+    if _file_pmd_bytes(first, last) < mapped + HUGE_PAGE:
         return False
     _reread(fd, first, size - HUGE_PAGE, first - base)
     return _file_pmd_bytes(first, last) >= enough

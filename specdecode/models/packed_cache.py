@@ -360,9 +360,10 @@ def read_entry(path: Path, key: dict) -> Entry:
             lo = data_start + min(r["offset"] for r in eager)
             hi = data_start + max(r["offset"] + r["nbytes"] for r in eager)
             lo -= lo % mmap.PAGESIZE
-            if hi > size or not huge_pages.map_from_page_cache(mm, f.fileno(), lo, hi):
+            in_file = hi <= size
+            if not (in_file and huge_pages.map_from_page_cache(mm, f.fileno(), lo, hi)):
                 mm.madvise(mmap.MADV_WILLNEED, lo, hi - lo)
-                if hi <= size:
+                if in_file:
                     huge_pages.register(mm, lo, hi)  # moved once the engine is built (huge_pages.start)
         placed = []
         for r in records:

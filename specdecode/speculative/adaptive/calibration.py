@@ -79,7 +79,8 @@ def calibrate(target, draft, k_max: int, max_len: int, repeats: int = 5,
     passes over draft_calibration_rows(batch), after each of ``contexts``, on cache slot 0 (call it while no
     request runs: the slot's content is left as scratch; the memory a repeated context took is given back).
     Each round times every row count back to back, after one untimed warm-up round; passes over many rows are
-    timed once, and a short draft pass after an untimed draft pass and target pass, as in a step. Rows of one slot stand in for rows of many requests: the weights are read once per pass either way. The result's
+    timed once, and a short draft pass after an untimed draft pass and target pass, as in a step. Rows of one
+    slot stand in for rows of many requests: the weights are read once per pass either way. The result's
     ``other_cpu_share`` says how busy the rest of the machine was meanwhile. ``draft_head``: the LM head the
     draft's passes are timed with (a proposer's truncated head; None: the draft model's current one)."""
     with _scoring_with(draft, draft_head):
