@@ -109,6 +109,23 @@ def test_a_partly_filled_block_is_found_by_its_tokens_so_far_and_dropped_when_ev
     assert pool.num_free_blocks == 4 and pool.match_partial(toks, blocks, 39) == (mine[2], 7)  # kept, evictable
     pool.ensure(1, 64)  # takes every block: the partial entry goes with its block
     assert pool.match_partial(toks, pool.match(toks, 39)[0], 39) is None
+    assert pool.partial_in_draft(mine[2]) == 0
+    pool.free(1)
+    pool.check_consistency()
+
+
+def test_a_partly_filled_block_records_how_much_of_it_the_draft_holds():
+    pool = BlockPool(4, num_slots=2, blocks_per_slot=4, device="cpu")
+    toks = list(range(100, 140))
+    pool.ensure(0, 40)
+    pool.register(0, toks, 40, draft_tokens=37)  # the draft saw 5 of the third block's 8 positions
+    third = pool.blocks(0)[2]
+    assert pool.partial_in_draft(third) == 5
+    pool.register(0, toks, 40, draft_tokens=40)  # registered again once the draft caught up
+    assert pool.partial_in_draft(third) == 8
+    pool.ensure(1, 16)
+    pool.register(1, [7] * 16, 16, draft_tokens=30)  # no partly filled block: nothing recorded
+    pool.free(0)
     pool.free(1)
     pool.check_consistency()
 
@@ -199,6 +216,26 @@ def test_an_exact_repeat_computes_only_its_last_token_where_chunks_start_anywher
     assert pool.hits == (len(prompt) - 1 if anywhere else 32)
     pool.check_consistency()
     assert pool.num_used_blocks == 0
+
+
+def test_a_hit_on_part_of_a_block_covers_the_drafts_cache_too(tiny_models, tiny_draft, one_thread):
+    """A shared head of 2 whole blocks and 8 positions (a system prompt): the next request's draft starts after
+    all 40 of them, the last 8 copied out of the first request's partly filled block, and the output is the
+    same as without the cache."""
+    rng = random.Random(11)
+    head = [rng.randrange(5, 500) for _ in range(40)]
+    second = head + [rng.randrange(5, 500) for _ in range(10)]
+    spec = {"method": "draft_model", "model": str(tiny_draft), "num_speculative_tokens": 4}
+    ref = _run(_llm(tiny_models["llama"], enable_prefix_caching=False, speculative_config=spec), [second])[0]
+    llm = _llm(tiny_models["llama"], speculative_config=spec)
+    _run(llm, [head], max_tokens=4)  # its blocks: 2 whole, then head[32:] and its answer in a third
+    fed = []  # (start, tokens) of each draft pass
+    runner = llm.llm_engine.draft_runner
+    forward = runner._pass
+    runner._pass = lambda seqs, *a, **k: (fed.append((seqs[0][1], len(seqs[0][2]))), forward(seqs, *a, **k))[1]
+    assert _run(llm, [second])[0] == ref
+    assert fed[0] == (40, 11)  # the tail and the first output token; without the partial block: (32, 19)
+    llm.llm_engine.pool.check_consistency()
 
 
 @pytest.mark.parametrize("spec", [{"method": "none"}, {"method": "ngram", "num_speculative_tokens": 3},

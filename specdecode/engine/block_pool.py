@@ -78,6 +78,7 @@ class BlockPool:
         self._by_key: dict[tuple, int] = {}                # (parent content id, tokens) -> block
         self._partial_of: dict[int, tuple[int, tuple]] = {}  # block -> (parent content id, its tokens so far)
         self._partials: dict[int, dict[int, tuple]] = {}     # parent content id -> {block: its tokens so far}
+        self._partial_draft: dict[int, int] = {}  # partly filled block -> how many of its tokens the draft's cache holds
         self._next_content_id = 1                          # 0 is the empty prefix
         # vLLM's prefix cache counters, in tokens: positions looked up and positions found
         self.queries = 0
@@ -134,6 +135,7 @@ class BlockPool:
         self._drop_partial(block)
 
     def _drop_partial(self, block: int) -> None:
+        self._partial_draft.pop(block, None)
         part = self._partial_of.pop(block, None)
         if part is not None:
             siblings = self._partials[part[0]]
@@ -260,6 +262,10 @@ class BlockPool:
                 best = (block, n)
         return best
 
+    def partial_in_draft(self, block: int) -> int:
+        """How many of the tokens a partly filled block holds (``match_partial``) the draft's cache holds too."""
+        return self._partial_draft.get(block, 0)
+
     def attach(self, slot: int, blocks: list[int]) -> None:
         """Make ``blocks`` (from ``match``) the first blocks of the slot, sharing them (what it held is
         released)."""
@@ -307,10 +313,14 @@ class BlockPool:
             block = blocks[full]
             held = tuple(token_ids[full * BLOCK_SIZE:num_tokens])
             old = self._partial_of.get(block)
+            in_draft = max(0, min(draft_tokens, num_tokens) - full * BLOCK_SIZE)
             if old is None or old[0] != parent or len(old[1]) < len(held):
                 self._drop_partial(block)
                 self._partial_of[block] = (parent, held)
                 self._partials.setdefault(parent, {})[block] = held
+                self._partial_draft[block] = in_draft
+            elif old[1] == held:
+                self._partial_draft[block] = max(self._partial_draft.get(block, 0), in_draft)
 
     def reset_prefix_cache(self) -> None:
         """Forget every registered block (vLLM's reset_prefix_cache); blocks in use stay with their slots."""
@@ -321,6 +331,7 @@ class BlockPool:
         self._by_key.clear()
         self._partial_of.clear()
         self._partials.clear()
+        self._partial_draft.clear()
 
     def check_consistency(self) -> None:
         """Assert the pool's invariants (tests): every block is free, evictable or referenced, exactly once."""

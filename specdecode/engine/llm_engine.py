@@ -125,7 +125,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.target.vocab_size,
                                               self.eos_token_ids, lambda: (self.proposer, self.config.speculative))
         self.scheduler = Scheduler(c.max_num_seqs, c.max_waiting_requests, self.pool, self.target, self.max_model_len,
-                                   c.max_num_batched_tokens, has_draft=draft is not None)
+                                   c.max_num_batched_tokens, draft=self.draft_runner)
         self.spec_stats = SpecDecodeStats()
         self._proposers: dict[str, Proposer | None] = {}  # by config: switching back resumes what it learned
         self._shared: dict = {}  # what proposers over the one draft model share (truncated heads)

@@ -44,17 +44,18 @@ class QueueFullError(RuntimeError):
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_waiting: int, pool: BlockPool, target: ModelRunner,
-                 max_model_len: int, max_num_batched_tokens: int | None = None, has_draft: bool = False):
+                 max_model_len: int, max_num_batched_tokens: int | None = None, draft: ModelRunner | None = None):
         """``target``: the target's runner, whose cache a prefix-cache hit on part of a block is copied in and
         which tells whether a prompt chunk may start inside a block; ``max_num_batched_tokens``: the tokens one
-        step computes (verification rows and prompt chunks); ``has_draft``: whether a draft model shares the
-        blocks (a prefix-cache hit then covers its cache where the block records it)."""
+        step computes (verification rows and prompt chunks); ``draft``: the draft model's runner, whose cache
+        shares the blocks (a prefix-cache hit then covers its cache too where the block records it)."""
         self.max_num_seqs = max_num_seqs
         self.pool = pool
         self.target = target
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens or DEFAULT_BATCHED_TOKENS
-        self.has_draft = has_draft
+        self.draft = draft
+        self.has_draft = draft is not None
         self.num_preemptions = 0
         self.max_waiting = max_waiting
         self.waiting: deque[Request] = deque()
@@ -217,12 +218,19 @@ class Scheduler:
         part = self.pool.match_partial(r.all_token_ids, blocks, limit) if self.target.chunks_start_anywhere else None
         self.pool.attach(r.slot, blocks)
         r.num_computed = len(blocks) * BLOCK_SIZE
+        r.draft_computed = draft_blocks * BLOCK_SIZE if self.has_draft else 0
         if part is not None and self.pool.num_free_blocks > 0:
             # the next positions, copied out of a block another sequence holds (its owner only writes past them)
             self.pool.ensure(r.slot, r.num_computed + part[1])
-            self.target.kv_cache.copy_positions(part[0], self.pool.blocks(r.slot)[-1], part[1])
+            mine = self.pool.blocks(r.slot)[-1]
+            self.target.kv_cache.copy_positions(part[0], mine, part[1])
             r.num_computed += part[1]
-        r.draft_computed = draft_blocks * BLOCK_SIZE if self.has_draft else 0
+            # the draft's too where it holds them (a shared system prompt's last few tokens, fed again at every
+            # draft catch-up otherwise)
+            in_draft = min(part[1], self.pool.partial_in_draft(part[0]))
+            if self.draft is not None and in_draft and draft_blocks == len(blocks):
+                self.draft.kv_cache.copy_positions(part[0], mine, in_draft)
+                r.draft_computed += in_draft
         if not r.resumed:
             self.pool.count_query(r.prefill_end if first else 0, r.num_computed - before)
             r.metrics.num_cached_tokens = r.num_computed
