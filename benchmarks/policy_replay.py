@@ -6,12 +6,13 @@
 Why: the adaptive policy's choices are deterministic for a given calibration (greedy text, acceptance counts,
 lengths of finished answers), but the side-by-side check that judges them (serve_compare.py, two servers, ~20
 minutes a pair of runs) is noisy enough that one run cannot tell a 3% change in a prompt's ratio. This runs
-the prompts in the check's order through one engine with speculation on (prefix caching on and one
-warm-up request first, as serve_compare.py's servers have it), records every target and draft pass, and prices each prompt's decoding both ways with the engine's
-own calibrated pass costs: with speculation, the passes it ran (plus ``--overhead`` seconds of the planner's
-own work per target pass); plain, one one-row pass per token after the first. The end-to-end ratio adds the
-measured time to the first token (the same both ways) to both. Policy constants can be overridden (``--set
-module.NAME=VALUE``, modules of specdecode.speculative.adaptive) to compare policies on the same prompts.
+the prompts in the check's order through one engine with speculation on (prefix caching on and one warm-up
+request first, as serve_compare.py's servers have it), records every target and draft pass, and prices each
+prompt's decoding both ways with the engine's own calibrated pass costs: with speculation, the passes it ran
+(plus ``--overhead`` seconds of the planner's own work per target pass); plain, one one-row pass per token
+after the first. The end-to-end ratio adds the measured time to the first token (the same both ways) to both.
+Policy constants can be overridden (``--set module.NAME=VALUE``, modules of specdecode.speculative.adaptive)
+to compare policies on the same prompts.
 """
 from __future__ import annotations
 

@@ -78,7 +78,7 @@ class BlockPool:
         self._by_key: dict[tuple, int] = {}                # (parent content id, tokens) -> block
         self._partial_of: dict[int, tuple[int, tuple]] = {}  # block -> (parent content id, its tokens so far)
         self._partials: dict[int, dict[int, tuple]] = {}     # parent content id -> {block: its tokens so far}
-        self._partial_draft: dict[int, int] = {}  # partly filled block -> how many of its tokens the draft's cache holds
+        self._partial_draft: dict[int, int] = {}  # partly filled block -> its tokens the draft holds
         self._next_content_id = 1                          # 0 is the empty prefix
         # vLLM's prefix cache counters, in tokens: positions looked up and positions found
         self.queries = 0
