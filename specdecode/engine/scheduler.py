@@ -55,7 +55,6 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens or DEFAULT_BATCHED_TOKENS
         self.draft = draft
-        self.has_draft = draft is not None
         self.num_preemptions = 0
         self.max_waiting = max_waiting
         self.waiting: deque[Request] = deque()
@@ -218,7 +217,7 @@ class Scheduler:
         part = self.pool.match_partial(r.all_token_ids, blocks, limit) if self.target.chunks_start_anywhere else None
         self.pool.attach(r.slot, blocks)
         r.num_computed = len(blocks) * BLOCK_SIZE
-        r.draft_computed = draft_blocks * BLOCK_SIZE if self.has_draft else 0
+        r.draft_computed = draft_blocks * BLOCK_SIZE if self.draft is not None else 0
         if part is not None and self.pool.num_free_blocks > 0:
             # the next positions, copied out of a block another sequence holds (its owner only writes past them)
             self.pool.ensure(r.slot, r.num_computed + part[1])
